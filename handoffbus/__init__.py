@@ -1,0 +1,70 @@
+"""handoffbus: an asynchronous handoff bus for AI agents on Redis Streams."""
+
+from __future__ import annotations
+
+import logging
+
+from .bus import HandoffBus as HandoffBus
+from .client import HandoffClient as HandoffClient
+from .codecs import PayloadCodec as PayloadCodec
+from .config import BusConfig as BusConfig
+from .context import ConversationEntry as ConversationEntry
+from .context import HandoffContext as HandoffContext
+from .context import context_json_schema as context_json_schema
+from .context import deserialize_context as deserialize_context
+from .context import serialize_context as serialize_context
+from .embedded import EmbeddedServer as EmbeddedServer
+from .errors import DecodeError as DecodeError
+from .errors import EncodeError as EncodeError
+from .errors import HandoffbusError as HandoffbusError
+from .errors import HandoffExpired as HandoffExpired
+from .errors import HandoffNotFound as HandoffNotFound
+from .errors import InvalidName as InvalidName
+from .errors import InvalidRequest as InvalidRequest
+from .errors import InvalidTransition as InvalidTransition
+from .errors import NotPermitted as NotPermitted
+from .errors import PayloadTooLarge as PayloadTooLarge
+from .errors import RequestConflict as RequestConflict
+from .errors import ServerUnsupported as ServerUnsupported
+from .handle import HandoffHandle as HandoffHandle
+from .models import HandoffRecord as HandoffRecord
+from .models import HandoffRequest as HandoffRequest
+from .models import HandoffResponse as HandoffResponse
+from .models import HandoffStatus as HandoffStatus
+from .models import HistoryEntry as HistoryEntry
+from .models import PendingHandoff as PendingHandoff
+
+__all__ = [
+    "BusConfig",
+    "ConversationEntry",
+    "DecodeError",
+    "EmbeddedServer",
+    "EncodeError",
+    "HandoffBus",
+    "HandoffClient",
+    "HandoffContext",
+    "HandoffExpired",
+    "HandoffHandle",
+    "HandoffNotFound",
+    "HandoffRecord",
+    "HandoffRequest",
+    "HandoffResponse",
+    "HandoffStatus",
+    "HandoffbusError",
+    "HistoryEntry",
+    "InvalidName",
+    "InvalidRequest",
+    "InvalidTransition",
+    "NotPermitted",
+    "PayloadCodec",
+    "PayloadTooLarge",
+    "RequestConflict",
+    "ServerUnsupported",
+    "PendingHandoff",
+    "context_json_schema",
+    "deserialize_context",
+    "serialize_context",
+]
+__version__ = "0.1.0"
+
+logging.getLogger("handoffbus").addHandler(logging.NullHandler())

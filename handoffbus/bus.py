@@ -1,0 +1,217 @@
+"""HandoffBus: a connection to Redis, the scripts, and the background tasks of one process."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import redis.asyncio as aioredis
+from anyio.abc import TaskGroup
+
+from .client import HandoffClient
+from .codecs import PayloadCodec
+from .config import BusConfig
+from .embedded import EmbeddedServer
+from .errors import HandoffbusError, InvalidRequest, ServerUnsupported
+from .keys import GROUP, Keys
+from .models import HandoffRecord
+from .names import split_handoff_id
+from .records import record_from_hash
+from .scripts import Scripts
+from .sweeper import Sweeper
+from .waiters import ResponseReader, Waiter
+
+__all__ = ["HandoffBus"]
+
+log = logging.getLogger("handoffbus")
+MIN_SERVER_VERSION = (7, 0)
+
+
+class HandoffBus:
+    """The handoff bus of one process. Use as ``async with HandoffBus.connect(url) as bus``.
+
+    ``connect(url)`` talks to Redis >= 7.0 or Valkey >= 7.2; ``memory()`` runs the same Lua
+    in-process on fakeredis; ``embedded()`` starts a throwaway real server and stops it on exit.
+    Pass your own ``redis.asyncio`` client to the constructor to control pooling and TLS.
+    """
+
+    def __init__(
+        self,
+        redis: Any = None,
+        *,
+        config: BusConfig | None = None,
+        server: EmbeddedServer | None = None,
+        owns_client: bool = False,
+        **settings: Any,
+    ) -> None:
+        if config is not None and settings:
+            raise InvalidRequest("pass either config or keyword settings, not both")
+        self.config = config or BusConfig(**settings)
+        self.keys = Keys(self.config.prefix)
+        self.codec: PayloadCodec = self.config.make_codec()
+        self._redis = redis
+        self._server = server
+        self._owns_client = owns_client or server is not None
+        self._scripts: Scripts | None = None if redis is None else Scripts(redis)
+        self._tg: TaskGroup | None = None
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._readers: dict[str, ResponseReader] = {}
+        self._known_requesters: set[str] = set()
+        self._known_targets: set[str] = set()
+        self.sweeper = Sweeper(self)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def connect(cls, url: str, **settings: Any) -> HandoffBus:
+        """A bus on the server at ``url`` (``redis://``, ``rediss://`` or ``unix://``)."""
+        return cls(aioredis.Redis.from_url(url), owns_client=True, **settings)
+
+    @classmethod
+    def memory(cls, **settings: Any) -> HandoffBus:
+        """An in-process bus on fakeredis running the same scripts: for development and unit tests."""
+        import fakeredis
+
+        return cls(fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer()), owns_client=True, **settings)
+
+    @classmethod
+    def embedded(cls, **settings: Any) -> HandoffBus:
+        """A bus on a throwaway real server started now and stopped when the bus closes."""
+        return cls(server=EmbeddedServer(), **settings)
+
+    @property
+    def redis(self) -> Any:
+        if self._redis is None:
+            raise HandoffbusError("the bus is not open: use 'async with bus'")
+        return self._redis
+
+    @property
+    def scripts(self) -> Scripts:
+        if self._scripts is None:
+            raise HandoffbusError("the bus is not open: use 'async with bus'")
+        return self._scripts
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> HandoffBus:
+        stack = contextlib.AsyncExitStack()
+        try:
+            if self._server is not None:
+                await stack.enter_async_context(self._server)
+                self._redis = aioredis.Redis.from_url(self._server.url)
+                self._scripts = Scripts(self._redis)
+            if self._owns_client:
+                stack.push_async_callback(self._close_client)
+            await self._check_server()
+            self._tg = await stack.enter_async_context(anyio.create_task_group())
+            await self._tg.start(self.sweeper.run)
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack = stack
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
+        if self._stack is not None:
+            # the task group exits first (its tasks were just cancelled), then the client
+            # and the server close, each shielded in its own callback
+            await self._stack.aclose()
+        self._tg = self._stack = None
+        self._readers.clear()
+
+    async def _close_client(self) -> None:
+        if self._redis is not None:
+            with anyio.CancelScope(shield=True):
+                await self._redis.aclose()
+
+    async def _check_server(self) -> None:
+        try:
+            info = await self.redis.info("server")
+        except Exception as exc:
+            if type(self.redis).__module__.startswith("fakeredis"):
+                return  # fakeredis has no INFO; it is the in-memory mode
+            raise HandoffbusError(f"cannot reach Redis: {exc}") from exc
+        version = tuple(int(p) for p in str(info.get("redis_version", "0.0")).split(".")[:2])
+        if version < MIN_SERVER_VERSION:
+            raise ServerUnsupported(f"Redis {info.get('redis_version')} found; handoffbus needs >= 7.0")
+        with contextlib.suppress(Exception):
+            policy = (await self.redis.config_get("maxmemory-policy")).get("maxmemory-policy")
+            if policy not in (None, "noeviction"):
+                log.warning("maxmemory-policy is %s: eviction can drop handoffs; use noeviction", policy)
+
+    def spawn(self, func: Callable[[], Awaitable[Any]], *, name: str) -> None:
+        if self._tg is None:
+            raise HandoffbusError("the bus is not open: use 'async with bus'")
+        self._tg.start_soon(func, name=name)
+
+    # ------------------------------------------------------------------ shared by clients
+
+    def client(self, agent_id: str) -> HandoffClient:
+        """A client acting as ``agent_id`` (the identity checked by every transition)."""
+        return HandoffClient(self, agent_id)
+
+    def reader(self, agent: str, refresh: Callable[[Waiter], Awaitable[None]]) -> ResponseReader:
+        reader = self._readers.get(agent)
+        if reader is None:
+            reader = self._readers[agent] = ResponseReader(self, agent, refresh)
+        return reader
+
+    async def register_requester(self, agent: str) -> None:
+        if agent not in self._known_requesters:
+            await self.redis.sadd(self.keys.requesters, agent)
+            self._known_requesters.add(agent)
+
+    async def enqueue(self, target: str, handoff_id: str, priority: int) -> bool:
+        if target not in self._known_targets:
+            await self.redis.sadd(self.keys.targets, target)
+            self._known_targets.add(target)
+        added = await self.scripts.enqueue(keys=self.keys.target(target).as_list(), args=[handoff_id, priority])
+        return bool(added)
+
+    async def settle(self, target: str, handoff_ids: list[str]) -> int:
+        removed = await self.scripts.settle(keys=self.keys.target(target).as_list(), args=[GROUP, *handoff_ids])
+        return int(removed)
+
+    async def read_record(self, handoff_id: str) -> tuple[int, bytes, HandoffRecord] | None:
+        """(server now ms, response stream position, record) or None; expires the record if due."""
+        requester, request_id = split_handoff_id(handoff_id)
+        reply = await self.scripts.status(
+            keys=self.keys.record(requester, request_id).as_list(),
+            args=[request_id, self.config.retention_ms, self.config.response_retention_ms],
+        )
+        if reply[0] == -1:
+            return None
+        fields = dict(zip(reply[2::2], reply[3::2], strict=True))
+        return int(reply[0]), reply[1], record_from_hash(fields, self.codec)
+
+    async def server_time_ms(self) -> int:
+        seconds, micros = await self.redis.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    async def clear(self, *, confirm: str) -> int:
+        if confirm != self.config.prefix:
+            raise InvalidRequest(f"clear_all_handoffs needs confirm={self.config.prefix!r} (the bus prefix)")
+        deleted = 0
+        batch: list[bytes] = []
+        async for key in self.redis.scan_iter(match=self.keys.pattern(), count=1000):
+            batch.append(key)
+            if len(batch) >= 500:
+                deleted += await self._unlink(batch)
+                batch = []
+        if batch:
+            deleted += await self._unlink(batch)
+        self._known_requesters.clear()
+        self._known_targets.clear()
+        return deleted
+
+    async def _unlink(self, keys: list[bytes]) -> int:
+        # one key per call: keys of different agents live in different cluster slots
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.unlink(key)
+            return sum(await pipe.execute())

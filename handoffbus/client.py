@@ -1,0 +1,239 @@
+"""HandoffClient: sw4rm's method set, async, for one agent identity."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from . import errors
+from .config import MAX_PRIORITY
+from .errors import InvalidRequest, NotPermitted, raise_for_code
+from .handle import HandoffHandle
+from .models import HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatus, PendingHandoff
+from .names import check_name, check_names, join_handoff_id, split_handoff_id
+from .records import record_from_hash, response_from_reply
+from .waiters import Waiter
+
+if TYPE_CHECKING:
+    from .bus import HandoffBus
+
+__all__ = ["HandoffClient"]
+
+
+class HandoffClient:
+    """Requests, decides and settles handoffs as agent ``agent_id``.
+
+    Every transition is one atomic script on the requester's slot; its response reaches the
+    requester's response stream in the same step. Methods raise subclasses of
+    ``HandoffbusError``; bad input is refused before anything reaches Redis.
+    """
+
+    def __init__(self, bus: HandoffBus, agent_id: str) -> None:
+        self._bus = bus
+        self.agent_id = check_name(agent_id, "agent id")
+
+    def __repr__(self) -> str:
+        return f"<HandoffClient {self.agent_id!r}>"
+
+    # ------------------------------------------------------------------ requesting
+
+    def _normalize(self, request: HandoffRequest) -> HandoffRequest:
+        if not isinstance(request, HandoffRequest):
+            raise InvalidRequest(f"expected HandoffRequest, got {type(request).__name__}")
+        if request.from_agent != self.agent_id:
+            raise NotPermitted("-", self.agent_id, f"send a request as {request.from_agent!r}")
+        to_agent = check_name(request.to_agent, "agent id") if request.to_agent else ""
+        if to_agent == "" and not request.capabilities_required:
+            raise InvalidRequest("a request needs to_agent, or capabilities_required for routing")
+        caps = list(check_names(request.capabilities_required, "capability"))
+        request_id = check_name(request.request_id, "request id") if request.request_id else uuid.uuid4().hex
+        if type(request.priority) is not int or abs(request.priority) > MAX_PRIORITY:
+            raise InvalidRequest(f"priority must be an int in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
+        timeout = self._bus.config.default_timeout if request.timeout is None else request.timeout
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not math.isfinite(timeout)
+            or not 0 < timeout <= self._bus.config.max_timeout
+        ):
+            raise InvalidRequest(f"timeout must be in (0, {self._bus.config.max_timeout}] seconds")
+        if request.context_snapshot is not None and not isinstance(request.context_snapshot, bytes):
+            raise InvalidRequest("context_snapshot must be bytes (see serialize_context)")
+        if not isinstance(request.reason, str) or not isinstance(request.preserve_history, bool):
+            raise InvalidRequest("reason must be a str and preserve_history a bool")
+        if not isinstance(request.metadata, dict):
+            raise InvalidRequest("metadata must be a dict")
+        return msgspec.structs.replace(
+            request, to_agent=to_agent, capabilities_required=caps, request_id=request_id, timeout=float(timeout)
+        )
+
+    async def request_handoff(self, request: HandoffRequest) -> HandoffHandle:
+        """Create a handoff (or re-attach to the one with this request id) and return its handle.
+
+        Two idempotent steps: the record in this agent's slot, then the target's queue. A crash
+        between them leaves a PENDING record that a retry with the same request_id re-queues,
+        or that expires at its deadline; nothing is doubled either way.
+        """
+        request = self._normalize(request)
+        envelope = self._bus.codec.dumps(request)
+        bus = self._bus
+        handoff_id = join_handoff_id(self.agent_id, request.request_id)
+        keys = bus.keys.record(self.agent_id, request.request_id)
+        await bus.register_requester(self.agent_id)
+        reader = bus.reader(self.agent_id, self._refresh)
+        waiter = reader.watch(handoff_id)
+        assert request.timeout is not None
+        reply = await bus.scripts.request(
+            keys=keys.as_list(),
+            args=[handoff_id, request.request_id, self.agent_id, request.to_agent,
+                  int(request.timeout * 1000), envelope, bus.config.retention_ms,
+                  bus.config.response_retention_ms],
+        )
+        code = int(reply[0])
+        if code < 0:
+            reader.forget(waiter)
+            raise_for_code(code, handoff_id, self.agent_id, "request", None)
+        status = HandoffStatus(reply[1].decode())
+        waiter.set_deadline(int(reply[2]), int(reply[3]))
+        reader.start(reply[4])
+        if status is HandoffStatus.PENDING:
+            if request.to_agent:
+                await bus.enqueue(request.to_agent, handoff_id, request.priority)
+        else:
+            await self._refresh(waiter)
+        return HandoffHandle(self, waiter)
+
+    def handle(self, handoff_id: str) -> HandoffHandle:
+        """A handle on a handoff this agent requested earlier (in this process or another)."""
+        requester, _ = split_handoff_id(handoff_id)
+        if requester != self.agent_id:
+            raise NotPermitted(handoff_id, self.agent_id, "await a handoff requested by another agent")
+        waiter = self._bus.reader(self.agent_id, self._refresh).watch(handoff_id)
+        waiter.deadline_at = waiter.deadline_at or 0.0  # unknown: ask the server on first wait
+        return HandoffHandle(self, waiter)
+
+    async def _refresh(self, waiter: Waiter) -> None:
+        """Read the record (expiring it if due), feed the waiter and make sure the reader runs."""
+        found = await self._bus.read_record(waiter.handoff_id)
+        if found is None:
+            raise errors.HandoffNotFound(waiter.handoff_id)
+        now_ms, cursor, record = found
+        self._bus.reader(self.agent_id, self._refresh).start(cursor)
+        if record.status is HandoffStatus.PENDING:
+            waiter.set_deadline(now_ms, record.deadline_ms)
+        else:
+            waiter.deadline_at = None
+        waiter.feed_record(record)
+
+    # ------------------------------------------------------------------ transitions
+
+    async def _transition(self, name: str, handoff_id: str, fields: dict[str, Any]) -> HandoffResponse:
+        requester, request_id = split_handoff_id(handoff_id)
+        bus = self._bus
+        args: list[Any] = [handoff_id, request_id, self.agent_id, bus.config.retention_ms,
+                           bus.config.response_retention_ms]
+        for key, value in fields.items():
+            if value is not None:
+                args += [key, value]
+        reply = await getattr(bus.scripts, name)(keys=bus.keys.record(requester, request_id).as_list(), args=args)
+        code = int(reply[0])
+        if code == errors.EXPIRED and reply[1]:
+            await bus.settle(reply[1].decode(), [handoff_id])
+        if code < 0:
+            raise_for_code(code, handoff_id, self.agent_id, name, reply[1] if len(reply) > 1 else None)
+        response = response_from_reply(handoff_id, reply[2:], bus.codec)
+        target = reply[1].decode() if reply[1] else self.agent_id
+        await bus.settle(target, [handoff_id])
+        return response
+
+    def _meta(self, metadata: dict[str, Any] | None) -> bytes | None:
+        if metadata is None:
+            return None
+        if not isinstance(metadata, dict):
+            raise InvalidRequest("metadata must be a dict")
+        return self._bus.codec.dumps_value(metadata)
+
+    async def accept_handoff(self, handoff_id: str, *, metadata: dict[str, Any] | None = None) -> HandoffResponse:
+        """Take a PENDING handoff addressed to this agent. It leaves the agent's queue."""
+        return await self._transition("accept", handoff_id, {"rmeta": self._meta(metadata)})
+
+    async def reject_handoff(
+        self,
+        handoff_id: str,
+        reason: str,
+        *,
+        code: str | None = None,
+        retry_after_ms: int | None = None,
+        redirect_to: str | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> HandoffResponse:
+        if not isinstance(reason, str):
+            raise InvalidRequest("reason must be a str")
+        if code is not None:
+            check_name(code, "rejection code")
+        if redirect_to is not None:
+            check_name(redirect_to, "agent id")
+        if retry_after_ms is not None and (type(retry_after_ms) is not int or retry_after_ms < 0):
+            raise InvalidRequest("retry_after_ms must be a non-negative int")
+        return await self._transition("reject", handoff_id, {
+            "reason": reason, "code": code, "retry": retry_after_ms, "redirect": redirect_to,
+            "rmeta": self._meta(metadata),
+        })
+
+    async def complete_handoff(
+        self, handoff_id: str, result: Any = None, *, metadata: dict[str, Any] | None = None
+    ) -> HandoffResponse:
+        """Finish an ACCEPTED handoff this agent owns. ``result``: bytes or any msgpack/JSON-able value."""
+        packed = None if result is None else self._bus.codec.dumps_value(result)
+        return await self._transition("complete", handoff_id, {"result": packed, "rmeta": self._meta(metadata)})
+
+    async def fail_handoff(
+        self, handoff_id: str, error: str, *, metadata: dict[str, Any] | None = None
+    ) -> HandoffResponse:
+        if not isinstance(error, str):
+            raise InvalidRequest("error must be a str")
+        return await self._transition("fail", handoff_id, {"error": error, "rmeta": self._meta(metadata)})
+
+    async def cancel_handoff(self, handoff_id: str, *, reason: str | None = None) -> HandoffResponse:
+        """Withdraw a PENDING handoff this agent requested."""
+        if reason is not None and not isinstance(reason, str):
+            raise InvalidRequest("reason must be a str")
+        return await self._transition("cancel", handoff_id, {"reason": reason})
+
+    # ------------------------------------------------------------------ reading
+
+    async def get_handoff_status(self, handoff_id: str) -> HandoffRecord | None:
+        """The record with its history, or None. Past its deadline a PENDING one reads EXPIRED."""
+        found = await self._bus.read_record(handoff_id)
+        return None if found is None else found[2]
+
+    async def get_pending_handoffs(self, agent_id: str | None = None) -> list[PendingHandoff]:
+        """PENDING handoffs queued for ``agent_id`` (default: this agent), in serving order."""
+        agent = check_name(agent_id or self.agent_id, "agent id")
+        bus = self._bus
+        handoff_ids = [h.decode() for h in await bus.redis.zrange(bus.keys.target(agent).queue, 0, -1)]
+        fields = (b"status", b"env", b"created", b"deadline")
+        rows: Sequence[Any] = []
+        if handoff_ids:
+            async with bus.redis.pipeline(transaction=False) as pipe:
+                for handoff_id in handoff_ids:
+                    requester, request_id = split_handoff_id(handoff_id)
+                    pipe.hmget(bus.keys.record(requester, request_id).record, fields)
+                rows = await pipe.execute()
+        now_ms = await bus.server_time_ms()
+        pending = []
+        for handoff_id, (status, env, created, deadline) in zip(handoff_ids, rows, strict=True):
+            if status == b"PENDING" and int(deadline) > now_ms:
+                pending.append(PendingHandoff(
+                    handoff_id=handoff_id, request=bus.codec.loads(env, HandoffRequest),
+                    created_ms=int(created), deadline_ms=int(deadline),
+                ))
+        return pending
+
+    async def clear_all_handoffs(self, *, confirm: str) -> int:
+        """Delete every key of this bus's prefix (and only those). ``confirm`` must equal the prefix."""
+        return await self._bus.clear(confirm=confirm)

@@ -1,0 +1,57 @@
+"""Bus-wide settings, validated once."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from .codecs import DEFAULT_COMPRESS_THRESHOLD, DEFAULT_PAYLOAD_LIMIT, PayloadCodec
+from .errors import InvalidRequest
+from .keys import DEFAULT_PREFIX
+
+__all__ = ["BusConfig", "MAX_PRIORITY"]
+
+#: Priorities run from -MAX_PRIORITY to MAX_PRIORITY (see lua/enqueue-5.lua for why).
+MAX_PRIORITY = 1000
+
+
+class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Settings shared by every client of a bus. Times are in seconds."""
+
+    prefix: str = DEFAULT_PREFIX
+    default_timeout: float = 300.0
+    max_timeout: float = 7 * 24 * 3600.0
+    record_retention: float = 24 * 3600.0
+    response_retention: float = 3600.0
+    codec: str = "msgpack"
+    compress_threshold: int = DEFAULT_COMPRESS_THRESHOLD
+    payload_limit: int = DEFAULT_PAYLOAD_LIMIT
+    sweep_interval: float = 0.25
+    sweep_lease: float = 2.0
+    sweep_batch: int = 500
+    read_block: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.prefix):
+            raise InvalidRequest(f"invalid key prefix {self.prefix!r}: use letters, digits, '_.-'")
+        for name in ("default_timeout", "max_timeout", "record_retention", "response_retention",
+                     "sweep_interval", "sweep_lease", "read_block"):
+            if not getattr(self, name) > 0:
+                raise InvalidRequest(f"{name} must be positive")
+        if self.default_timeout > self.max_timeout:
+            raise InvalidRequest("default_timeout exceeds max_timeout")
+        if self.sweep_batch <= 0:
+            raise InvalidRequest("sweep_batch must be positive")
+        PayloadCodec(self.codec, compress_threshold=self.compress_threshold, limit=self.payload_limit)
+
+    def make_codec(self) -> PayloadCodec:
+        return PayloadCodec(self.codec, compress_threshold=self.compress_threshold, limit=self.payload_limit)
+
+    @property
+    def retention_ms(self) -> int:
+        return int(self.record_retention * 1000)
+
+    @property
+    def response_retention_ms(self) -> int:
+        return int(self.response_retention * 1000)

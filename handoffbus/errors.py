@@ -1,0 +1,115 @@
+"""The exception tree, and the one place where Lua return codes become exceptions."""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+__all__ = [
+    "DecodeError",
+    "EncodeError",
+    "HandoffExpired",
+    "HandoffNotFound",
+    "HandoffbusError",
+    "InvalidName",
+    "InvalidRequest",
+    "InvalidTransition",
+    "NotPermitted",
+    "PayloadTooLarge",
+    "RequestConflict",
+    "ServerUnsupported",
+    "raise_for_code",
+]
+
+
+class HandoffbusError(Exception):
+    """Root of every error handoffbus raises."""
+
+
+class InvalidRequest(HandoffbusError, ValueError):
+    """A request or argument is malformed; nothing was written to Redis."""
+
+
+class InvalidName(InvalidRequest):
+    """An agent id, capability or request id breaks the name rule."""
+
+
+class DecodeError(HandoffbusError, ValueError):
+    """Bytes could not be decoded into the expected shape."""
+
+
+class EncodeError(HandoffbusError, ValueError):
+    """A value could not be encoded (not JSON-able, NaN, wrong type)."""
+
+
+class PayloadTooLarge(HandoffbusError, ValueError):
+    """A payload exceeds the configured size limit (checked before decoding)."""
+
+
+class HandoffNotFound(HandoffbusError, LookupError):
+    """No handoff record exists for this id (never created, or past retention)."""
+
+    def __init__(self, handoff_id: str) -> None:
+        super().__init__(f"handoff {handoff_id!r} not found")
+        self.handoff_id = handoff_id
+
+
+class InvalidTransition(HandoffbusError):
+    """The handoff's current status does not allow this transition."""
+
+    def __init__(self, handoff_id: str, current: str, attempted: str) -> None:
+        super().__init__(f"cannot {attempted} handoff {handoff_id!r}: it is {current}")
+        self.handoff_id = handoff_id
+        self.current = current
+        self.attempted = attempted
+
+
+class HandoffExpired(InvalidTransition):
+    """The acceptance deadline passed before this transition; the handoff is EXPIRED."""
+
+    def __init__(self, handoff_id: str, attempted: str) -> None:
+        super().__init__(handoff_id, "EXPIRED", attempted)
+
+
+class NotPermitted(HandoffbusError, PermissionError):
+    """The acting agent has no right to make this transition."""
+
+    def __init__(self, handoff_id: str, actor: str, attempted: str) -> None:
+        super().__init__(f"agent {actor!r} may not {attempted} handoff {handoff_id!r}")
+        self.handoff_id = handoff_id
+        self.actor = actor
+        self.attempted = attempted
+
+
+class RequestConflict(HandoffbusError):
+    """A request id was reused with different content."""
+
+    def __init__(self, handoff_id: str) -> None:
+        super().__init__(f"request id of {handoff_id!r} was already used for a different request")
+        self.handoff_id = handoff_id
+
+
+class ServerUnsupported(HandoffbusError):
+    """The Redis server is older than the supported minimum."""
+
+
+# Negative codes returned by the scripts under handoffbus/lua/ (see their headers).
+NOT_FOUND = -1
+INVALID_TRANSITION = -2
+EXPIRED = -3
+NOT_PERMITTED = -4
+CONFLICT = -5
+
+
+def raise_for_code(code: int, handoff_id: str, actor: str, attempted: str, detail: bytes | None) -> NoReturn:
+    """Raise the exception for a negative script return code."""
+    if code == NOT_FOUND:
+        raise HandoffNotFound(handoff_id)
+    if code == INVALID_TRANSITION:
+        raise InvalidTransition(handoff_id, (detail or b"?").decode(), attempted)
+    if code == EXPIRED:
+        raise HandoffExpired(handoff_id, attempted)
+    if code == NOT_PERMITTED:
+        raise NotPermitted(handoff_id, actor, attempted)
+    if code == CONFLICT:
+        raise RequestConflict(handoff_id)
+    raise HandoffbusError(f"unexpected script code {code} for {attempted} on {handoff_id!r}")

@@ -1,0 +1,70 @@
+"""HandoffHandle: what a requester awaits."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import anyio
+
+from .models import TERMINAL, HandoffRecord, HandoffResponse
+from .names import split_handoff_id
+from .waiters import Waiter
+
+if TYPE_CHECKING:
+    from .client import HandoffClient
+
+__all__ = ["HandoffHandle"]
+
+#: Wait this long past the server's deadline before asking the server (which expires it).
+_DEADLINE_GRACE = 0.02
+#: However a response might have been missed (a reader paused for longer than the response
+#: stream's retention), a waiter re-reads the record at least this often.
+_SAFETY_REFRESH = 30.0
+
+
+class HandoffHandle:
+    """An awaitable view of one handoff. Responses are pushed; nothing here polls."""
+
+    def __init__(self, client: HandoffClient, waiter: Waiter) -> None:
+        self._client = client
+        self._waiter = waiter
+        self.handoff_id = waiter.handoff_id
+        self.request_id = split_handoff_id(waiter.handoff_id)[1]
+
+    def __repr__(self) -> str:
+        return f"<HandoffHandle {self.handoff_id!r}>"
+
+    async def decision(self, timeout: float | None = None) -> HandoffResponse:
+        """ACCEPTED, REJECTED, EXPIRED or CANCELLED. Raises TimeoutError after ``timeout`` seconds."""
+        waiter = self._waiter
+        with anyio.fail_after(timeout):
+            while waiter.decision is None:
+                wait = _SAFETY_REFRESH
+                if waiter.deadline_at is not None:
+                    wait = min(wait, max(waiter.deadline_at - anyio.current_time(), 0) + _DEADLINE_GRACE)
+                with anyio.move_on_after(wait):
+                    await waiter.decided.wait()
+                if waiter.decision is None:
+                    # at or past the deadline the status script itself makes the handoff EXPIRED
+                    await self._client._refresh(waiter)
+        return waiter.decision
+
+    async def outcome(self, timeout: float | None = None) -> HandoffResponse:
+        """COMPLETED or FAILED, or the decision when it was final (REJECTED, EXPIRED, CANCELLED)."""
+        with anyio.fail_after(timeout):
+            decision = await self.decision()
+            if decision.status in TERMINAL:
+                return decision
+            waiter = self._waiter
+            while waiter.outcome is None:
+                with anyio.move_on_after(_SAFETY_REFRESH):
+                    await waiter.finished.wait()
+                if waiter.outcome is None:
+                    await self._client._refresh(waiter)
+            return waiter.outcome
+
+    async def status(self) -> HandoffRecord | None:
+        return await self._client.get_handoff_status(self.handoff_id)
+
+    async def cancel(self, reason: str | None = None) -> HandoffResponse:
+        return await self._client.cancel_handoff(self.handoff_id, reason=reason)

@@ -1,0 +1,104 @@
+"""Every Redis key name handoffbus uses, built in one place.
+
+Keys that belong to one agent carry the agent id as hash tag, ``<prefix>:{<agent>}:...``,
+so every script touches a single cluster slot:
+
+- the requester's slot ``{R}`` holds each handoff record it created, the pending marker,
+  the deadline index and R's response stream: a transition and the response it emits are
+  one atomic script;
+- the target's slot ``{T}`` holds T's priority queue, inbox stream, in-flight index,
+  sequence counter and doorbell.
+
+See docs/redis-layout.md for every key with redis-cli examples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_PREFIX", "GROUP", "Keys", "RecordKeys", "TargetKeys"]
+
+DEFAULT_PREFIX = "hb"
+#: The consumer group every worker of an agent joins on that agent's inbox stream.
+GROUP = "workers"
+
+
+@dataclass(frozen=True, slots=True)
+class RecordKeys:
+    """Keys in the requester's slot for one handoff (KEYS[1..4] of the record scripts)."""
+
+    record: str
+    marker: str
+    deadlines: str
+    responses: str
+
+    def as_list(self) -> list[str]:
+        return [self.record, self.marker, self.deadlines, self.responses]
+
+
+@dataclass(frozen=True, slots=True)
+class TargetKeys:
+    """Keys in a target agent's slot (KEYS[1..5] of the queue scripts)."""
+
+    queue: str
+    inbox: str
+    inflight: str
+    seq: str
+    bell: str
+
+    def as_list(self) -> list[str]:
+        return [self.queue, self.inbox, self.inflight, self.seq, self.bell]
+
+
+class Keys:
+    """Key builder for one bus prefix."""
+
+    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
+        self.prefix = prefix
+
+    def slot(self, agent: str) -> str:
+        """The key prefix of everything in ``agent``'s hash slot, e.g. ``hb:{billing-1}:``."""
+        return f"{self.prefix}:{{{agent}}}:"
+
+    def record(self, requester: str, request_id: str) -> RecordKeys:
+        base = self.slot(requester)
+        return RecordKeys(
+            record=f"{base}h:{request_id}",
+            marker=f"{base}p:{request_id}",
+            deadlines=self.deadlines(requester),
+            responses=self.responses(requester),
+        )
+
+    def responses(self, requester: str) -> str:
+        return f"{self.slot(requester)}responses"
+
+    def deadlines(self, requester: str) -> str:
+        return f"{self.slot(requester)}deadlines"
+
+    def target(self, agent: str) -> TargetKeys:
+        base = self.slot(agent)
+        return TargetKeys(
+            queue=f"{base}queue",
+            inbox=f"{base}inbox",
+            inflight=f"{base}inflight",
+            seq=f"{base}seq",
+            bell=f"{base}bell",
+        )
+
+    @property
+    def requesters(self) -> str:
+        """Set of agent ids that own handoff records (what the expiry sweep walks)."""
+        return f"{self.prefix}:requesters"
+
+    @property
+    def targets(self) -> str:
+        """Set of agent ids that have a queue."""
+        return f"{self.prefix}:targets"
+
+    @property
+    def sweep_lease(self) -> str:
+        return f"{self.prefix}:sweep-lease"
+
+    def pattern(self) -> str:
+        """SCAN pattern matching every key of this prefix (and nothing of another prefix)."""
+        return f"{self.prefix}:*"

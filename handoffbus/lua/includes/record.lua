@@ -1,0 +1,126 @@
+--[[
+  Shared helpers for scripts in the requester's slot. The loader pastes this file where a
+  script says "-- @include record". Every record script receives the same four keys:
+
+    KEYS[1] record hash      <p>:{R}:h:<request_id>
+    KEYS[2] pending marker   <p>:{R}:p:<request_id>  (string, PXAT = acceptance deadline)
+    KEYS[3] deadline index   <p>:{R}:deadlines       (zset request_id -> deadline ms)
+    KEYS[4] response stream  <p>:{R}:responses
+
+  A PENDING handoff whose marker has expired is past its deadline. Redis judges key
+  expiry inside a script against the script's start time, so "accept" and "expire"
+  racing in the same millisecond have exactly one winner.
+]]
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function fmt(n)
+  return string.format('%.0f', n)
+end
+
+-- Fields a response carries besides id/status/actor/ts; read back by the client.
+local RESPONSE_FIELDS = {'agent', 'reason', 'code', 'retry', 'redirect', 'result', 'error', 'rmeta'}
+local TERMINAL = {REJECTED = true, COMPLETED = true, EXPIRED = true, CANCELLED = true, FAILED = true}
+
+-- The record's current response as a flat list: status, actor, updated, then RESPONSE_FIELDS.
+local function current_response(rec)
+  return redis.call('HMGET', rec, 'status', 'actor', 'updated', unpack(RESPONSE_FIELDS))
+end
+
+-- Move a record to `status`: write `extra` (field/value pairs), append the history entry
+-- (status, actor, Redis time), leave the pending indexes, emit the response, and start the
+-- retention TTL once terminal. Names in history are validated by the client to [A-Za-z0-9_.:-].
+local function transition(keys, request_id, status, actor, now, extra, retention_ms, response_retention_ms)
+  local rec = keys[1]
+  local fields = {'status', status, 'actor', actor, 'updated', fmt(now)}
+  for i = 1, #extra do fields[#fields + 1] = extra[i] end
+  local hist = redis.call('HGET', rec, 'hist')
+  fields[#fields + 1] = 'hist'
+  fields[#fields + 1] = string.sub(hist, 1, -2) .. ',["' .. status .. '","' .. actor .. '",' .. fmt(now) .. ']]'
+  redis.call('HSET', rec, unpack(fields))
+  redis.call('DEL', keys[2])
+  redis.call('ZREM', keys[3], request_id)
+
+  local values = redis.call('HMGET', rec, 'id', unpack(RESPONSE_FIELDS))
+  local entry = {'id', values[1], 'status', status, 'actor', actor, 'ts', fmt(now)}
+  for i = 1, #RESPONSE_FIELDS do
+    if values[i + 1] then
+      entry[#entry + 1] = RESPONSE_FIELDS[i]
+      entry[#entry + 1] = values[i + 1]
+    end
+  end
+  redis.call('XADD', keys[4], 'MINID', '~', fmt(now - response_retention_ms), '*', unpack(entry))
+  if TERMINAL[status] then
+    redis.call('PEXPIRE', rec, retention_ms)
+  end
+end
+
+-- If the record is PENDING and its marker has expired, make it EXPIRED now. Returns true if so.
+local function expire_if_due(keys, request_id, status, now, retention_ms, response_retention_ms)
+  if status == 'PENDING' and redis.call('EXISTS', keys[2]) == 0 then
+    transition(keys, request_id, 'EXPIRED', 'bus', now, {}, retention_ms, response_retention_ms)
+    return true
+  end
+  return false
+end
+
+local function last_response_id(stream)
+  local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+  if last[1] then return last[1][1] end
+  return '0-0'
+end
+
+--[[
+  The body shared by accept, reject, complete, fail and cancel.
+    ARGV[1] handoff id   ARGV[2] request id   ARGV[3] acting agent
+    ARGV[4] record retention ms after a terminal status
+    ARGV[5] response stream retention ms
+    ARGV[6..] field/value pairs to store and send (reason, code, retry, redirect, result, error, rmeta)
+  `from` lists the statuses the transition may leave; `who` names who may make it:
+  'target' (the to_agent, or anyone while to_agent is empty), 'owner' (the accepting agent),
+  'requester' (the from_agent).
+  Returns {1, to agent, <response>} done now, {0, to agent, <response>} the same actor already did it (nothing
+  emitted), or {-1} not found, {-2, status} invalid transition, {-3, to agent} expired, {-4} not permitted.
+]]
+local function run_transition(status, from, who)
+  local request_id, actor = ARGV[2], ARGV[3]
+  local retention_ms, response_retention_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
+  local rec = redis.call('HMGET', KEYS[1], 'status', 'from', 'to', 'agent', 'actor')
+  local current = rec[1]
+  if not current then return {-1} end
+  local now = now_ms()
+  if expire_if_due(KEYS, request_id, current, now, retention_ms, response_retention_ms) then
+    return {-3, rec[3]}
+  end
+
+  local allowed
+  if who == 'target' then
+    allowed = (rec[3] == '' or rec[3] == actor)
+  elseif who == 'owner' then
+    -- before acceptance there is no owner yet: that is an invalid transition, not a refusal
+    allowed = (current == 'PENDING') or (rec[4] == actor)
+  else
+    allowed = (rec[2] == actor)
+  end
+  if not allowed then return {-4} end
+
+  if current == status and rec[5] == actor then
+    return {0, rec[3], unpack(current_response(KEYS[1]))}
+  end
+  if not from[current] then
+    if current == 'EXPIRED' then return {-3, rec[3]} end
+    return {-2, current}
+  end
+
+  local extra = {}
+  for i = 6, #ARGV do extra[#extra + 1] = ARGV[i] end
+  if status == 'ACCEPTED' then
+    extra[#extra + 1] = 'agent'
+    extra[#extra + 1] = actor
+  end
+  transition(KEYS, request_id, status, actor, now, extra, retention_ms, response_retention_ms)
+  return {1, rec[3], unpack(current_response(KEYS[1]))}
+end

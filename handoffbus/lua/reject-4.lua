@@ -1,0 +1,20 @@
+--[[
+  reject: the target agent refuses a PENDING handoff; REJECTED is terminal.
+
+  KEYS[1] record hash   KEYS[2] pending marker   KEYS[3] deadline index   KEYS[4] response stream
+  ARGV[1] handoff id    ARGV[2] request id       ARGV[3] acting agent
+  ARGV[4] record retention ms     ARGV[5] response stream retention ms
+  ARGV[6..] response field/value pairs (reason, code, retry, redirect, rmeta)
+
+  Allowed from: PENDING.   Who: the to_agent (any agent while to_agent is empty).
+  Returns:
+    {1, to agent, status, actor, updated, agent, reason, code, retry, redirect, result, error, rmeta}
+       transition made; the response was appended to KEYS[4]
+    {0, to agent, ...same fields}  this actor already made this transition: nothing written or emitted
+    {-1} no such handoff   {-2, current status} invalid transition
+    {-3, to agent} the acceptance deadline passed (the record is now EXPIRED and EXPIRED was emitted)
+    {-4} the acting agent may not make this transition
+  Events: one entry on KEYS[4]: id, status, actor, ts and the response fields.
+]]
+-- @include record
+return run_transition('REJECTED', {PENDING = true}, 'target')

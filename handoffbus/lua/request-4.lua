@@ -1,0 +1,44 @@
+--[[
+  request: create a PENDING handoff record in the requester's slot, or report the one that
+  already exists for this request id (idempotent resubmission).
+
+  KEYS[1] record hash   KEYS[2] pending marker   KEYS[3] deadline index   KEYS[4] response stream
+  ARGV[1] handoff id    ARGV[2] request id        ARGV[3] from agent    ARGV[4] to agent ('' = routed)
+  ARGV[5] acceptance timeout ms                   ARGV[6] encoded request envelope
+  ARGV[7] record retention ms                     ARGV[8] response stream retention ms
+
+  Returns:
+    {1, 'PENDING', now ms, deadline ms, last response id}  created; the marker expires at the deadline
+    {0, current status, now ms, deadline ms, last response id}  the same request exists (nothing written,
+       unless its deadline had passed: then it is made EXPIRED and EXPIRED is emitted)
+    {-5} the request id exists with a different request
+  The last response id lets the caller read KEYS[4] from a point before any response to
+  this handoff, so no response can be missed.
+]]
+-- @include record
+
+local hid, request_id, from, to = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local timeout_ms, envelope = tonumber(ARGV[5]), ARGV[6]
+local retention_ms, response_retention_ms = tonumber(ARGV[7]), tonumber(ARGV[8])
+
+local existing = redis.call('HMGET', KEYS[1], 'status', 'env', 'deadline')
+if existing[1] then
+  if existing[2] ~= envelope then return {-5} end
+  local now = now_ms()
+  local status = existing[1]
+  if expire_if_due(KEYS, request_id, status, now, retention_ms, response_retention_ms) then
+    status = 'EXPIRED'
+  end
+  return {0, status, fmt(now), existing[3], last_response_id(KEYS[4])}
+end
+
+local now = now_ms()
+local deadline = now + timeout_ms
+local last = last_response_id(KEYS[4])
+redis.call('HSET', KEYS[1],
+  'id', hid, 'from', from, 'to', to, 'status', 'PENDING', 'actor', from,
+  'created', fmt(now), 'updated', fmt(now), 'deadline', fmt(deadline), 'env', envelope,
+  'hist', '[["PENDING","' .. from .. '",' .. fmt(now) .. ']]')
+redis.call('SET', KEYS[2], '1', 'PXAT', fmt(deadline))
+redis.call('ZADD', KEYS[3], deadline, request_id)
+return {1, 'PENDING', fmt(now), fmt(deadline), last}

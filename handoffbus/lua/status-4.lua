@@ -1,0 +1,24 @@
+--[[
+  status: read a handoff record; a PENDING one past its deadline is made EXPIRED first, so
+  a read after the deadline never reports PENDING, whatever the sweep's timing.
+
+  KEYS[1] record hash   KEYS[2] pending marker   KEYS[3] deadline index   KEYS[4] response stream
+  ARGV[1] request id    ARGV[2] record retention ms   ARGV[3] response stream retention ms
+
+  Returns:
+    {now ms, last response id, field, value, ...}  the record (HGETALL)
+    {-1} no such handoff
+  Events: EXPIRED on KEYS[4] when this read expired the handoff.
+]]
+-- @include record
+
+local rec = redis.call('HGETALL', KEYS[1])
+if #rec == 0 then return {-1} end
+local now = now_ms()
+local status = redis.call('HGET', KEYS[1], 'status')
+if expire_if_due(KEYS, ARGV[1], status, now, tonumber(ARGV[2]), tonumber(ARGV[3])) then
+  rec = redis.call('HGETALL', KEYS[1])
+end
+local out = {fmt(now), last_response_id(KEYS[4])}
+for i = 1, #rec do out[#out + 1] = rec[i] end
+return out

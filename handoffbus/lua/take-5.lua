@@ -1,0 +1,36 @@
+--[[
+  take: settle finished handoffs, then move up to COUNT queued handoffs, best priority
+  first, into the inbox stream and into this consumer's pending entries list, where they
+  stay until settled (so a crashed consumer's work can be claimed by another).
+
+  KEYS[1] queue   KEYS[2] inbox   KEYS[3] in-flight index   KEYS[4] sequence   KEYS[5] doorbell
+  ARGV[1] consumer group   ARGV[2] consumer name   ARGV[3] count
+  ARGV[4..] handoff ids to settle first (acknowledged and deleted from the inbox)
+
+  Returns {doorbell last id, handoff id, inbox entry id, ...} in serving order. When nothing
+  was taken, block on KEYS[5] after the returned id: a later enqueue wakes the caller.
+]]
+-- @include queue
+
+local group, consumer, count = ARGV[1], ARGV[2], tonumber(ARGV[3])
+for i = 4, #ARGV do settle(group, ARGV[i]) end
+
+local out = {'0-0'}
+local bell = redis.call('XREVRANGE', KEYS[5], '+', '-', 'COUNT', 1)
+if bell[1] then out[1] = bell[1][1] end
+if count <= 0 then return out end
+
+local popped = redis.call('ZPOPMIN', KEYS[1], count)
+if #popped == 0 then return out end
+-- a group deleted under running workers is recreated; the inbox keeps its entries
+pcall(redis.call, 'XGROUP', 'CREATE', KEYS[2], group, '0', 'MKSTREAM')
+for i = 1, #popped, 2 do
+  local hid = popped[i]
+  local entry = redis.call('XADD', KEYS[2], '*', 'h', hid)
+  redis.call('HSET', KEYS[3], hid, entry)
+  out[#out + 1] = hid
+  out[#out + 1] = entry
+end
+-- deliver what was just added (nothing else is undelivered: this script is the only writer)
+redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', #popped / 2, 'STREAMS', KEYS[2], '>')
+return out

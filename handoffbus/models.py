@@ -1,0 +1,124 @@
+"""Messages and records: every one a frozen, keyword-only ``msgspec.Struct``.
+
+New fields always get defaults so that messages written by older versions still decode.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "DECISIONS",
+    "OUTCOMES",
+    "TERMINAL",
+    "HandoffRecord",
+    "HandoffRequest",
+    "HandoffResponse",
+    "HandoffStatus",
+    "HistoryEntry",
+    "PendingHandoff",
+]
+
+
+class HandoffStatus(enum.StrEnum):
+    PENDING = "PENDING"
+    ACCEPTED = "ACCEPTED"
+    REJECTED = "REJECTED"
+    COMPLETED = "COMPLETED"
+    EXPIRED = "EXPIRED"
+    CANCELLED = "CANCELLED"
+    FAILED = "FAILED"
+
+
+#: Statuses that answer "was it taken?" — the first response a requester hears.
+DECISIONS = frozenset(
+    {HandoffStatus.ACCEPTED, HandoffStatus.REJECTED, HandoffStatus.EXPIRED, HandoffStatus.CANCELLED}
+)
+#: Statuses after which nothing changes.
+TERMINAL = frozenset(
+    {
+        HandoffStatus.REJECTED,
+        HandoffStatus.COMPLETED,
+        HandoffStatus.EXPIRED,
+        HandoffStatus.CANCELLED,
+        HandoffStatus.FAILED,
+    }
+)
+OUTCOMES = TERMINAL
+
+
+class HandoffRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A request to hand work to another agent (sw4rm's fields plus request_id, priority, timeout).
+
+    ``to_agent`` empty means capability routing. ``priority``: lower is served first.
+    ``timeout``: seconds to acceptance; ``None`` takes the bus default.
+    ``request_id``: idempotency key, generated when empty; resubmitting it never creates a
+    second handoff.
+    """
+
+    from_agent: str
+    to_agent: str = ""
+    reason: str = ""
+    context_snapshot: bytes | None = None
+    preserve_history: bool = True
+    capabilities_required: list[str] = []
+    priority: int = 0
+    timeout: float | None = None
+    metadata: dict[str, Any] = {}
+    request_id: str = ""
+
+
+class HandoffResponse(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One transition of a handoff as the requester hears it. ``timestamp_ms`` is Redis time."""
+
+    handoff_id: str
+    status: HandoffStatus
+    accepted: bool = False
+    request_id: str = ""
+    actor: str | None = None
+    accepting_agent: str | None = None
+    rejection_reason: str | None = None
+    rejection_code: str | None = None
+    retry_after_ms: int | None = None
+    redirect_to_agent: str | None = None
+    result: Any = None
+    error: str | None = None
+    metadata: dict[str, Any] = {}
+    timestamp_ms: int = 0
+
+
+class HistoryEntry(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One transition: the status entered, who made it, and when (Redis TIME, ms)."""
+
+    status: HandoffStatus
+    actor: str
+    at_ms: int
+
+
+class HandoffRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """An immutable snapshot of a handoff as stored in Redis, with its transition history."""
+
+    handoff_id: str
+    request: HandoffRequest
+    status: HandoffStatus
+    created_ms: int
+    deadline_ms: int
+    updated_ms: int
+    history: tuple[HistoryEntry, ...]
+    response: HandoffResponse
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL
+
+
+class PendingHandoff(msgspec.Struct, frozen=True, kw_only=True):
+    """A handoff waiting in an agent's queue, as listed by ``get_pending_handoffs``."""
+
+    handoff_id: str
+    request: HandoffRequest
+    created_ms: int
+    deadline_ms: int

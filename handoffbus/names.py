@@ -1,0 +1,46 @@
+"""The one name rule for agent ids, capabilities and request ids.
+
+Names end up inside Redis keys (agent ids form hash tags) and inside the handoff id
+``<from_agent>/<request_id>``, so braces, slashes, spaces, wildcards and control
+characters are refused before anything reaches Redis.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from .errors import InvalidName
+
+__all__ = ["MAX_NAME_LENGTH", "check_name", "check_names", "join_handoff_id", "split_handoff_id"]
+
+MAX_NAME_LENGTH = 128
+_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+
+
+def check_name(value: object, what: str) -> str:
+    """Return ``value`` if it is a valid name, else raise InvalidName."""
+    if not isinstance(value, str) or _NAME.fullmatch(value) is None:
+        raise InvalidName(
+            f"invalid {what} {value!r}: use 1-{MAX_NAME_LENGTH} ASCII letters, digits or '-_.:'"
+        )
+    return value
+
+
+def check_names(values: Iterable[object], what: str) -> tuple[str, ...]:
+    """Validate a collection of names and return it as a sorted, de-duplicated tuple (a set)."""
+    if isinstance(values, str | bytes):
+        raise InvalidName(f"{what} must be a list of names, not a single string")
+    return tuple(sorted({check_name(v, what) for v in values}))
+
+
+def join_handoff_id(from_agent: str, request_id: str) -> str:
+    return f"{from_agent}/{request_id}"
+
+
+def split_handoff_id(handoff_id: object) -> tuple[str, str]:
+    """Split a handoff id into (requester agent id, request id), validating both."""
+    if not isinstance(handoff_id, str) or handoff_id.count("/") != 1:
+        raise InvalidName(f"invalid handoff id {handoff_id!r}: expected '<from_agent>/<request_id>'")
+    agent, _, request_id = handoff_id.partition("/")
+    return check_name(agent, "agent id"), check_name(request_id, "request id")

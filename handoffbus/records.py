@@ -1,0 +1,79 @@
+"""Turn what Redis holds (record hashes, response stream entries, script replies) into models."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from .codecs import PayloadCodec
+from .errors import DecodeError
+from .models import HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatus, HistoryEntry
+from .names import split_handoff_id
+
+__all__ = ["RESPONSE_FIELDS", "record_from_hash", "response_from_fields", "response_from_reply"]
+
+#: Order of the fields after the code in a transition script's reply (see lua/includes/record.lua).
+RESPONSE_FIELDS = (b"status", b"actor", b"ts", b"agent", b"reason", b"code", b"retry", b"redirect",
+                   b"result", b"error", b"rmeta")
+_ACCEPTED_LIKE = {HandoffStatus.ACCEPTED, HandoffStatus.COMPLETED, HandoffStatus.FAILED}
+_history_decoder = msgspec.json.Decoder(list[HistoryEntry])
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode()
+
+
+def response_from_fields(handoff_id: str, f: Mapping[bytes, bytes], codec: PayloadCodec) -> HandoffResponse:
+    """Build a response from stream-entry style fields (``ts`` is the transition's Redis time)."""
+    try:
+        status = HandoffStatus(f[b"status"].decode())
+        retry = f.get(b"retry")
+        result, meta = f.get(b"result"), f.get(b"rmeta")
+        return HandoffResponse(
+            handoff_id=handoff_id,
+            request_id=split_handoff_id(handoff_id)[1],
+            status=status,
+            accepted=status in _ACCEPTED_LIKE,
+            actor=_text(f.get(b"actor")),
+            accepting_agent=_text(f.get(b"agent")),
+            rejection_reason=_text(f.get(b"reason")),
+            rejection_code=_text(f.get(b"code")),
+            retry_after_ms=None if retry is None else int(retry),
+            redirect_to_agent=_text(f.get(b"redirect")),
+            result=None if result is None else codec.loads_value(result),
+            error=_text(f.get(b"error")),
+            metadata={} if meta is None else codec.loads_value(meta),
+            timestamp_ms=int(f.get(b"ts", b"0")),
+        )
+    except (KeyError, ValueError) as exc:
+        if isinstance(exc, DecodeError):
+            raise
+        raise DecodeError(f"malformed response for {handoff_id!r}: {exc!r}") from None
+
+
+def response_from_reply(handoff_id: str, reply: Sequence[Any], codec: PayloadCodec) -> HandoffResponse:
+    """Build a response from a transition script's reply (after its leading code)."""
+    fields = {name: value for name, value in zip(RESPONSE_FIELDS, reply, strict=False) if value is not None}
+    return response_from_fields(handoff_id, fields, codec)
+
+
+def record_from_hash(f: Mapping[bytes, bytes], codec: PayloadCodec) -> HandoffRecord:
+    handoff_id = f[b"id"].decode()
+    try:
+        history = tuple(_history_decoder.decode(f[b"hist"]))
+    except msgspec.DecodeError as exc:
+        raise DecodeError(f"malformed history for {handoff_id!r}: {exc}") from None
+    response_fields = dict(f)
+    response_fields[b"ts"] = f[b"updated"]
+    return HandoffRecord(
+        handoff_id=handoff_id,
+        request=codec.loads(f[b"env"], HandoffRequest),
+        status=HandoffStatus(f[b"status"].decode()),
+        created_ms=int(f[b"created"]),
+        deadline_ms=int(f[b"deadline"]),
+        updated_ms=int(f[b"updated"]),
+        history=history,
+        response=response_from_fields(handoff_id, response_fields, codec),
+    )

@@ -1,0 +1,69 @@
+"""The expiry sweep: turns overdue PENDING handoffs into EXPIRED without keyspace notifications.
+
+Every open bus runs one; a lease with a TTL lets one of them sweep at a time and hands the
+job over within one lease period when its holder dies. Correctness never waits for the
+sweep: every script checks the deadline itself, and a waiting requester asks for its own
+handoff at the deadline. The sweep decides how soon everything else hears EXPIRED, and
+takes expired handoffs out of their targets' queues.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+import anyio
+from anyio.abc import TaskStatus
+from redis.exceptions import RedisError
+
+if TYPE_CHECKING:
+    from .bus import HandoffBus
+
+__all__ = ["Sweeper"]
+
+log = logging.getLogger("handoffbus")
+
+
+class Sweeper:
+    def __init__(self, bus: HandoffBus) -> None:
+        self._bus = bus
+        self._token = uuid.uuid4().hex
+
+    async def hold_lease(self) -> bool:
+        bus = self._bus
+        held = await bus.scripts.lease(
+            keys=[bus.keys.sweep_lease], args=[self._token, int(bus.config.sweep_lease * 1000)]
+        )
+        return bool(held)
+
+    async def sweep_once(self) -> int:
+        """Expire what is due for every requester; return how many handoffs expired."""
+        bus = self._bus
+        expired = 0
+        by_target: dict[str, list[str]] = defaultdict(list)
+        async for raw in bus.redis.sscan_iter(bus.keys.requesters, count=500):
+            agent = raw.decode()
+            reply = await bus.scripts.sweep(
+                keys=[bus.keys.deadlines(agent)],
+                args=[bus.keys.slot(agent), bus.config.sweep_batch, bus.config.retention_ms,
+                      bus.config.response_retention_ms],
+            )
+            expired += int(reply[0])
+            for i in range(1, len(reply), 2):
+                if reply[i + 1]:
+                    by_target[reply[i + 1].decode()].append(reply[i].decode())
+        for target, handoff_ids in by_target.items():
+            await bus.settle(target, handoff_ids)
+        return expired
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            try:
+                if await self.hold_lease():
+                    await self.sweep_once()
+            except (RedisError, OSError) as exc:
+                log.warning("expiry sweep failed (%s); retrying", exc)
+            await anyio.sleep(self._bus.config.sweep_interval)

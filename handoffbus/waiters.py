@@ -1,0 +1,141 @@
+"""Push delivery of responses to the requester: one reader per requester agent per bus.
+
+Each reader blocks on its agent's response stream with XREAD and hands every entry to the
+waiter for that handoff id. A waiter is registered before its request is written, and the
+reader starts from the stream position the request script returned, so no response can
+slip between writing a request and reading its answer. Many waiters share one reader and
+one connection; no waiter polls.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import anyio
+import msgspec
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .models import DECISIONS, TERMINAL, HandoffRecord, HandoffResponse, HandoffStatus
+from .records import response_from_fields
+
+if TYPE_CHECKING:
+    from .bus import HandoffBus
+
+__all__ = ["ResponseReader", "Waiter"]
+
+log = logging.getLogger("handoffbus")
+
+
+class Waiter:
+    """What the requester knows of one handoff, with events to wait on."""
+
+    def __init__(self, handoff_id: str) -> None:
+        self.handoff_id = handoff_id
+        self.decision: HandoffResponse | None = None
+        self.outcome: HandoffResponse | None = None
+        self.decided = anyio.Event()
+        self.finished = anyio.Event()
+        #: anyio clock time at which the server's acceptance deadline falls, while PENDING.
+        self.deadline_at: float | None = None
+
+    def set_deadline(self, now_ms: int, deadline_ms: int) -> None:
+        self.deadline_at = anyio.current_time() + max(deadline_ms - now_ms, 0) / 1000
+
+    def feed(self, response: HandoffResponse) -> None:
+        if self.decision is None:
+            if response.status in DECISIONS:
+                self.decision = response
+            elif response.status in TERMINAL:
+                # the ACCEPTED entry was not seen (attached late): derive it from the outcome
+                self.decision = msgspec.structs.replace(
+                    response, status=HandoffStatus.ACCEPTED, result=None, error=None, metadata={}
+                )
+            if self.decision is not None:
+                self.decided.set()
+        if self.outcome is None and response.status in TERMINAL:
+            self.outcome = response
+            self.finished.set()
+
+    def feed_record(self, record: HandoffRecord) -> None:
+        if record.status is HandoffStatus.PENDING:
+            return
+        if self.decision is None and record.status is not HandoffStatus.ACCEPTED and record.terminal:
+            accepted = next((h for h in record.history if h.status is HandoffStatus.ACCEPTED), None)
+            if accepted is not None:
+                self.feed(msgspec.structs.replace(
+                    record.response, status=HandoffStatus.ACCEPTED, actor=accepted.actor,
+                    result=None, error=None, metadata={}, timestamp_ms=accepted.at_ms,
+                ))
+        self.feed(record.response)
+
+
+class ResponseReader:
+    """Reads one requester's response stream and wakes the waiters of its handoffs."""
+
+    def __init__(self, bus: HandoffBus, agent: str, refresh: Callable[[Waiter], Awaitable[None]]) -> None:
+        self._bus = bus
+        self._agent = agent
+        self._stream = bus.keys.responses(agent)
+        self._refresh = refresh
+        self._waiters: dict[str, Waiter] = {}
+        self._cursor: bytes | None = None
+
+    def watch(self, handoff_id: str) -> Waiter:
+        waiter = self._waiters.get(handoff_id)
+        if waiter is None:
+            waiter = self._waiters[handoff_id] = Waiter(handoff_id)
+        return waiter
+
+    def forget(self, waiter: Waiter) -> None:
+        if self._waiters.get(waiter.handoff_id) is waiter:
+            del self._waiters[waiter.handoff_id]
+
+    def start(self, cursor: bytes) -> None:
+        """Start reading after ``cursor`` unless already reading (then from an earlier point)."""
+        if self._cursor is None:
+            self._cursor = cursor
+            self._bus.spawn(self._run, name=f"handoffbus responses {self._agent}")
+
+    def _dispatch(self, fields: dict[bytes, bytes]) -> None:
+        handoff_id = fields[b"id"].decode()
+        waiter = self._waiters.get(handoff_id)
+        if waiter is None:
+            return
+        waiter.feed(response_from_fields(handoff_id, fields, self._bus.codec))
+        if waiter.outcome is not None:
+            self.forget(waiter)
+
+    async def _resync(self) -> None:
+        for waiter in list(self._waiters.values()):
+            await self._refresh(waiter)
+            if waiter.outcome is not None:
+                self.forget(waiter)
+
+    async def _run(self) -> None:
+        redis = self._bus.redis
+        block_ms = int(self._bus.config.read_block * 1000)
+        backoff = 0.05
+        while True:
+            assert self._cursor is not None
+            try:
+                reply = await redis.xread({self._stream: self._cursor}, count=512, block=block_ms)
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                log.warning("response reader for %s lost its connection (%s); retrying", self._agent, exc)
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                try:
+                    await self._resync()
+                except (RedisConnectionError, RedisTimeoutError, OSError):
+                    continue
+                backoff = 0.05
+                continue
+            for _stream, entries in reply or ():
+                for entry_id, fields in entries:
+                    self._cursor = entry_id
+                    try:
+                        self._dispatch(fields)
+                    except Exception:
+                        log.exception("undecodable response %r on %s", entry_id, self._stream)

@@ -1,0 +1,1 @@
+"""Agent workers: where handoffs are taken from an agent's inbox and handled."""
