@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -144,7 +144,7 @@ class HandoffBus:
             if policy not in (None, "noeviction"):
                 log.warning("maxmemory-policy is %s: eviction can drop handoffs; use noeviction", policy)
 
-    def spawn(self, func: Callable[[], Awaitable[Any]], *, name: str) -> None:
+    def spawn(self, func: Callable[[], Coroutine[Any, Any, None]], *, name: str) -> None:
         if self._tg is None:
             raise HandoffbusError("the bus is not open: use 'async with bus'")
         self._tg.start_soon(func, name=name)

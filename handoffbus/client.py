@@ -15,7 +15,7 @@ from .errors import InvalidRequest, NotPermitted, raise_for_code
 from .handle import HandoffHandle
 from .models import HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatus, PendingHandoff
 from .names import check_name, check_names, join_handoff_id, split_handoff_id
-from .records import record_from_hash, response_from_reply
+from .records import response_from_reply
 from .waiters import Waiter
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from .codecs import DEFAULT_COMPRESS_THRESHOLD, DEFAULT_PAYLOAD_LIMIT, PayloadCo
 from .errors import InvalidRequest
 from .keys import DEFAULT_PREFIX
 
-__all__ = ["BusConfig", "MAX_PRIORITY"]
+__all__ = ["MAX_PRIORITY", "BusConfig"]
 
 #: Priorities run from -MAX_PRIORITY to MAX_PRIORITY (see lua/enqueue-5.lua for why).
 MAX_PRIORITY = 1000

@@ -90,9 +90,9 @@ class EmbeddedServer:
         ]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    async def wait_ready(self, timeout: float = 15.0) -> None:
+    async def wait_ready(self) -> None:
         assert self.process is not None
-        with anyio.fail_after(timeout):
+        with anyio.fail_after(15.0):
             while True:
                 if self.process.poll() is not None:
                     log = (self.directory / "server.log") if self.directory else None

@@ -34,34 +34,35 @@ class HandoffHandle:
     def __repr__(self) -> str:
         return f"<HandoffHandle {self.handoff_id!r}>"
 
-    async def decision(self, timeout: float | None = None) -> HandoffResponse:
-        """ACCEPTED, REJECTED, EXPIRED or CANCELLED. Raises TimeoutError after ``timeout`` seconds."""
+    async def decision(self) -> HandoffResponse:
+        """ACCEPTED, REJECTED, EXPIRED or CANCELLED; always arrives by the acceptance deadline.
+
+        To bound the wait further, wrap it: ``with anyio.fail_after(5): await handle.decision()``.
+        """
         waiter = self._waiter
-        with anyio.fail_after(timeout):
-            while waiter.decision is None:
-                wait = _SAFETY_REFRESH
-                if waiter.deadline_at is not None:
-                    wait = min(wait, max(waiter.deadline_at - anyio.current_time(), 0) + _DEADLINE_GRACE)
-                with anyio.move_on_after(wait):
-                    await waiter.decided.wait()
-                if waiter.decision is None:
-                    # at or past the deadline the status script itself makes the handoff EXPIRED
-                    await self._client._refresh(waiter)
+        while waiter.decision is None:
+            wait = _SAFETY_REFRESH
+            if waiter.deadline_at is not None:
+                wait = min(wait, max(waiter.deadline_at - anyio.current_time(), 0) + _DEADLINE_GRACE)
+            with anyio.move_on_after(wait):
+                await waiter.decided.wait()
+            if waiter.decision is None:
+                # at or past the deadline the status script itself makes the handoff EXPIRED
+                await self._client._refresh(waiter)
         return waiter.decision
 
-    async def outcome(self, timeout: float | None = None) -> HandoffResponse:
+    async def outcome(self) -> HandoffResponse:
         """COMPLETED or FAILED, or the decision when it was final (REJECTED, EXPIRED, CANCELLED)."""
-        with anyio.fail_after(timeout):
-            decision = await self.decision()
-            if decision.status in TERMINAL:
-                return decision
-            waiter = self._waiter
-            while waiter.outcome is None:
-                with anyio.move_on_after(_SAFETY_REFRESH):
-                    await waiter.finished.wait()
-                if waiter.outcome is None:
-                    await self._client._refresh(waiter)
-            return waiter.outcome
+        decision = await self.decision()
+        if decision.status in TERMINAL:
+            return decision
+        waiter = self._waiter
+        while waiter.outcome is None:
+            with anyio.move_on_after(_SAFETY_REFRESH):
+                await waiter.finished.wait()
+            if waiter.outcome is None:
+                await self._client._refresh(waiter)
+        return waiter.outcome
 
     async def status(self) -> HandoffRecord | None:
         return await self._client.get_handoff_status(self.handoff_id)

@@ -58,7 +58,7 @@ class PayloadCodec:
         if limit <= 0 or compress_threshold < 0:
             raise HandoffbusError("limit must be positive and compress_threshold non-negative")
         self.name = name
-        self._codec: Codec = CODECS[name]  # type: ignore[assignment]
+        self._codec: Codec = CODECS[name]
         self.compress_threshold = compress_threshold
         self.limit = limit
 
@@ -73,7 +73,8 @@ class PayloadCodec:
         body = framing.unpack(bytes(data), limit=self.limit)
         codec = json_codec if body[:1] == b"{" else msgpack_codec
         try:
-            return codec.decode(body, tp)
+            result: T = codec.decode(body, tp)
+            return result
         except msgspec.DecodeError as exc:
             raise DecodeError(f"invalid {codec.NAME} payload: {exc}") from None
 
@@ -96,6 +97,6 @@ class PayloadCodec:
             raise DecodeError(f"unknown value encoding {kind!r}")
         body = framing.unpack(body, limit=self.limit)
         try:
-            return msgpack_codec.decode(body, Any)  # type: ignore[arg-type]
+            return msgpack_codec.decode(body, object)
         except msgspec.DecodeError as exc:
             raise DecodeError(f"invalid value payload: {exc}") from None

@@ -24,5 +24,5 @@ def encode(obj: Any) -> bytes:
 
 
 def decode(data: bytes, tp: type[T]) -> T:
-    result: T = _decoder(tp).decode(data)
+    result: T = _decoder(tp).decode(data)  # type: ignore[arg-type]
     return result
