@@ -131,7 +131,11 @@ class HandoffClient:
 
     # ------------------------------------------------------------------ transitions
 
-    async def _transition(self, name: str, handoff_id: str, fields: dict[str, Any]) -> HandoffResponse:
+    async def _transition(
+        self, name: str, handoff_id: str, fields: dict[str, Any], *, settle: bool = True
+    ) -> HandoffResponse:
+        """Run one transition script. ``settle`` also takes the handoff out of the target's queue
+        and inbox; a worker passes False and settles in its next ``take`` instead."""
         requester, request_id = split_handoff_id(handoff_id)
         bus = self._bus
         args: list[Any] = [handoff_id, request_id, self.agent_id, bus.config.retention_ms,
@@ -146,8 +150,8 @@ class HandoffClient:
         if code < 0:
             raise_for_code(code, handoff_id, self.agent_id, name, reply[1] if len(reply) > 1 else None)
         response = response_from_reply(handoff_id, reply[2:], bus.codec)
-        target = reply[1].decode() if reply[1] else self.agent_id
-        await bus.settle(target, [handoff_id])
+        if settle:
+            await bus.settle(reply[1].decode() if reply[1] else self.agent_id, [handoff_id])
         return response
 
     def _meta(self, metadata: dict[str, Any] | None) -> bytes | None:

@@ -9,6 +9,7 @@ takes expired handoffs out of their targets' queues.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections import defaultdict
@@ -30,6 +31,13 @@ class Sweeper:
     def __init__(self, bus: HandoffBus) -> None:
         self._bus = bus
         self._token = uuid.uuid4().hex
+        self._pass_done = anyio.Event()
+        #: number of complete sweep passes this bus has made
+        self.passes = 0
+
+    async def wait_pass(self) -> None:
+        """Return when this bus finishes its next sweep pass (expiry and queue settlement)."""
+        await self._pass_done.wait()
 
     async def hold_lease(self) -> bool:
         bus = self._bus
@@ -58,12 +66,24 @@ class Sweeper:
             await bus.settle(target, handoff_ids)
         return expired
 
+    async def release_lease(self) -> None:
+        bus = self._bus
+        await bus.scripts.lease(keys=[bus.keys.sweep_lease], args=[self._token, 0])
+
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        while True:
-            try:
-                if await self.hold_lease():
-                    await self.sweep_once()
-            except (RedisError, OSError) as exc:
-                log.warning("expiry sweep failed (%s); retrying", exc)
-            await anyio.sleep(self._bus.config.sweep_interval)
+        try:
+            while True:
+                try:
+                    if await self.hold_lease():
+                        await self.sweep_once()
+                        self.passes += 1
+                        self._pass_done.set()
+                        self._pass_done = anyio.Event()
+                except (RedisError, OSError) as exc:
+                    log.warning("expiry sweep failed (%s); retrying", exc)
+                await anyio.sleep(self._bus.config.sweep_interval)
+        finally:
+            # hand the job over now rather than when the lease times out
+            with anyio.CancelScope(shield=True), contextlib.suppress(RedisError, OSError):
+                await self.release_lease()

@@ -79,6 +79,8 @@ end
     ARGV[4] record retention ms after a terminal status
     ARGV[5] response stream retention ms
     ARGV[6..] field/value pairs to store and send (reason, code, retry, redirect, result, error, rmeta)
+  Checks, in order: exists; expired (made EXPIRED now if due); the same actor repeating this
+  transition; the current status is one the transition may leave; the actor's right.
   `from` lists the statuses the transition may leave; `who` names who may make it:
   'target' (the to_agent, or anyone while to_agent is empty), 'owner' (the accepting agent),
   'requester' (the from_agent).
@@ -96,24 +98,23 @@ local function run_transition(status, from, who)
     return {-3, rec[3]}
   end
 
-  local allowed
-  if who == 'target' then
-    allowed = (rec[3] == '' or rec[3] == actor)
-  elseif who == 'owner' then
-    -- before acceptance there is no owner yet: that is an invalid transition, not a refusal
-    allowed = (current == 'PENDING') or (rec[4] == actor)
-  else
-    allowed = (rec[2] == actor)
-  end
-  if not allowed then return {-4} end
-
   if current == status and rec[5] == actor then
     return {0, rec[3], unpack(current_response(KEYS[1]))}
   end
+  -- the status decides first: anything on a terminal handoff is an invalid transition
   if not from[current] then
     if current == 'EXPIRED' then return {-3, rec[3]} end
     return {-2, current}
   end
+  local allowed
+  if who == 'target' then
+    allowed = (rec[3] == '' or rec[3] == actor)
+  elseif who == 'owner' then
+    allowed = (rec[4] == actor)
+  else
+    allowed = (rec[2] == actor)
+  end
+  if not allowed then return {-4} end
 
   local extra = {}
   for i = 6, #ARGV do extra[#extra + 1] = ARGV[i] end

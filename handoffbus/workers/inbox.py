@@ -1,0 +1,72 @@
+"""An agent's side of its queue: take handoffs best-priority first, settle them, wait for more.
+
+``take`` moves queued handoffs into the agent's inbox stream and into this consumer's
+pending entries list in one script, so work taken by a process that dies stays visible to
+the consumer group and can be claimed again. Settling (ack + delete) rides along with the
+next ``take``, so a busy worker spends no extra round trip on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ..keys import GROUP
+from ..models import HandoffRequest, HandoffStatus
+from ..names import check_name, split_handoff_id
+
+if TYPE_CHECKING:
+    from ..bus import HandoffBus
+
+__all__ = ["Delivery", "Inbox"]
+
+
+class Delivery(msgspec.Struct, frozen=True, kw_only=True):
+    """One handoff taken from the queue: its id and its inbox stream entry."""
+
+    handoff_id: str
+    entry_id: str
+
+
+class Inbox:
+    def __init__(self, bus: HandoffBus, agent: str, consumer: str) -> None:
+        self._bus = bus
+        self.agent = check_name(agent, "agent id")
+        self.consumer = check_name(consumer, "consumer name")
+        self._keys = bus.keys.target(agent).as_list()
+
+    async def take(self, count: int, settle: Iterable[str] = ()) -> tuple[bytes, list[Delivery]]:
+        """Settle ``settle``, then take up to ``count`` handoffs in serving order.
+
+        Returns the doorbell position to pass to ``wait`` when nothing was taken.
+        """
+        reply = await self._bus.scripts.take(keys=self._keys, args=[GROUP, self.consumer, count, *settle])
+        taken = [
+            Delivery(handoff_id=reply[i].decode(), entry_id=reply[i + 1].decode()) for i in range(1, len(reply), 2)
+        ]
+        return reply[0], taken
+
+    async def wait(self, bell: bytes, block_ms: int) -> bool:
+        """Block until something is enqueued after ``bell`` (True) or ``block_ms`` pass (False)."""
+        reply = await self._bus.redis.xread({self._keys[4]: bell}, count=1, block=block_ms)
+        return bool(reply)
+
+    async def settle(self, handoff_ids: Sequence[str]) -> int:
+        return await self._bus.settle(self.agent, list(handoff_ids))
+
+    async def load(self, handoff_ids: Sequence[str]) -> list[tuple[HandoffStatus, HandoffRequest] | None]:
+        """Status and request of each handoff (None where the record is gone), in one round trip."""
+        if not handoff_ids:
+            return []
+        bus = self._bus
+        async with bus.redis.pipeline(transaction=False) as pipe:
+            for handoff_id in handoff_ids:
+                requester, request_id = split_handoff_id(handoff_id)
+                pipe.hmget(bus.keys.record(requester, request_id).record, [b"status", b"env"])
+            rows: list[Any] = await pipe.execute()
+        return [
+            None if status is None else (HandoffStatus(status.decode()), bus.codec.loads(env, HandoffRequest))
+            for status, env in rows
+        ]
