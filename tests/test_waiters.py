@@ -1,0 +1,59 @@
+"""Awaiting is push: many waiters share one reader and one connection."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from handoffbus import HandoffBus, HandoffResponse, HandoffStatus
+
+from .helpers import req
+
+pytestmark = pytest.mark.anyio
+
+
+async def connections(bus: HandoffBus) -> int:
+    return len(await bus.redis.client_list())
+
+
+async def test_two_hundred_waiters_open_no_connections(real_bus: HandoffBus) -> None:
+    a, b = real_bus.client("a"), real_bus.client("b")
+    handles = [await a.request_handoff(req("a", "b")) for _ in range(200)]
+    before = await connections(real_bus)
+    decisions: list[HandoffResponse] = []
+    waiting = 0
+    all_waiting = anyio.Event()
+
+    async def wait(handle: object) -> None:
+        nonlocal waiting
+        assert hasattr(handle, "decision")
+        waiting += 1
+        if waiting == len(handles):
+            all_waiting.set()
+        decisions.append(await handle.decision())
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            for handle in handles:
+                tg.start_soon(wait, handle)
+            await all_waiting.wait()
+            during = await connections(real_bus)
+            for handle in handles:
+                await b.accept_handoff(handle.handoff_id)
+    assert before <= 4, "one reader, one sweeper, one command connection"
+    assert during <= before + 1
+    assert len(decisions) == 200 and all(d.status is HandoffStatus.ACCEPTED for d in decisions)
+    assert len(real_bus._readers) == 1
+
+
+async def test_waiters_on_several_requesters_each_get_their_own_answers(bus: HandoffBus) -> None:
+    clients = [bus.client(f"req-{i}") for i in range(5)]
+    target = bus.client("t")
+    handles = [await c.request_handoff(req(c.agent_id, "t")) for c in clients for _ in range(3)]
+    for n, handle in enumerate(handles):
+        await target.accept_handoff(handle.handoff_id)
+        await target.complete_handoff(handle.handoff_id, result=n)
+    with anyio.fail_after(10):
+        outcomes = [await h.outcome() for h in handles]
+    assert [o.result for o in outcomes] == list(range(len(handles)))
+    assert all(o.handoff_id == h.handoff_id for o, h in zip(outcomes, handles, strict=True))
