@@ -47,21 +47,40 @@ class Sweeper:
         return bool(held)
 
     async def sweep_once(self) -> int:
-        """Expire what is due for every requester; return how many handoffs expired."""
+        """Expire what is due for every requester; return how many handoffs expired.
+
+        One script per requester, pipelined in batches: a pass over N requesters costs about
+        N / 200 round trips.
+        """
         bus = self._bus
         expired = 0
         by_target: dict[str, list[str]] = defaultdict(list)
+        batch: list[str] = []
+
+        async def flush() -> None:
+            nonlocal expired
+            async with bus.redis.pipeline(transaction=False) as pipe:
+                for agent in batch:
+                    await bus.scripts.sweep(
+                        keys=[bus.keys.deadlines(agent)],
+                        args=[bus.keys.slot(agent), bus.config.sweep_batch, bus.config.retention_ms,
+                              bus.config.response_retention_ms],
+                        client=pipe,
+                    )
+                replies = await pipe.execute()
+            for reply in replies:
+                expired += int(reply[0])
+                for i in range(1, len(reply), 2):
+                    if reply[i + 1]:
+                        by_target[reply[i + 1].decode()].append(reply[i].decode())
+            batch.clear()
+
         async for raw in bus.redis.sscan_iter(bus.keys.requesters, count=500):
-            agent = raw.decode()
-            reply = await bus.scripts.sweep(
-                keys=[bus.keys.deadlines(agent)],
-                args=[bus.keys.slot(agent), bus.config.sweep_batch, bus.config.retention_ms,
-                      bus.config.response_retention_ms],
-            )
-            expired += int(reply[0])
-            for i in range(1, len(reply), 2):
-                if reply[i + 1]:
-                    by_target[reply[i + 1].decode()].append(reply[i].decode())
+            batch.append(raw.decode())
+            if len(batch) >= 200:
+                await flush()
+        if batch:
+            await flush()
         for target, handoff_ids in by_target.items():
             await bus.settle(target, handoff_ids)
         return expired

@@ -94,7 +94,8 @@ async def test_invalid_transitions_name_the_current_status(bus: HandoffBus) -> N
         await b.complete_handoff(h1.handoff_id)
     assert info.value.current == "PENDING" and "PENDING" in str(info.value)
     await b.reject_handoff(h1.handoff_id, "no")
-    for attempt in (b.accept_handoff(h1.handoff_id), b.fail_handoff(h1.handoff_id, "x"), a.cancel_handoff(h1.handoff_id)):
+    attempts = (b.accept_handoff(h1.handoff_id), b.fail_handoff(h1.handoff_id, "x"), a.cancel_handoff(h1.handoff_id))
+    for attempt in attempts:
         with pytest.raises(InvalidTransition) as info:
             await attempt
         assert info.value.current == "REJECTED"
