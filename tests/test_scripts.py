@@ -1,0 +1,80 @@
+"""The Lua contract: headers, one hash slot per call, and survival of a flushed script cache."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import anyio
+import pytest
+from redis.crc import key_slot
+
+from handoffbus import HandoffBus, HandoffStatus
+from handoffbus.scripts import SCRIPT_NAMES, _files, key_count, script_source
+from handoffbus.workers.inbox import Inbox
+
+from .helpers import req
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.mark.parametrize("name", SCRIPT_NAMES)
+def test_every_script_has_a_header_matching_its_keys(name: str) -> None:
+    raw = _files()[name][1]
+    header = raw.split("]]", 1)[0]
+    assert raw.startswith("--[[") and "Returns" in header
+    declared = {int(n) for n in re.findall(r"KEYS\[(\d+)\]", header)}
+    assert declared == set(range(1, key_count(name) + 1))
+    used = {int(n) for n in re.findall(r"KEYS\[(\d+)\]", script_source(name))}
+    assert used <= declared
+    assert re.search(r"^-- @include", script_source(name), re.MULTILINE) is None
+
+
+def test_every_script_file_is_registered() -> None:
+    assert set(_files()) == set(SCRIPT_NAMES)
+
+
+async def test_every_call_stays_in_one_hash_slot(bus: HandoffBus) -> None:
+    calls: list[tuple[str, list[str], list[Any]]] = []
+    for name in SCRIPT_NAMES:
+        script = getattr(bus.scripts, name)
+
+        def recorder(script: Any = script, name: str = name) -> Any:
+            async def call(*, keys: list[str], args: list[Any], client: Any = None) -> Any:
+                calls.append((name, keys, args))
+                return await script(keys=keys, args=args, client=client)
+            return call
+
+        setattr(bus.scripts, name, recorder())
+    a, b = bus.client("general-agent-1"), bus.client("security-specialist-1")
+    h1 = await a.request_handoff(req("general-agent-1", "security-specialist-1"))
+    h2 = await a.request_handoff(req("general-agent-1", "security-specialist-1", timeout=0.1))
+    h3 = await a.request_handoff(req("general-agent-1", "security-specialist-1"))
+    inbox = Inbox(bus, "security-specialist-1", "w1")
+    await inbox.take(1)
+    await b.accept_handoff(h1.handoff_id)
+    await b.complete_handoff(h1.handoff_id, result=1)
+    await h3.cancel()
+    assert (await a.get_handoff_status(h3.handoff_id)) is not None
+    with anyio.fail_after(5):
+        assert (await h2.decision()).status is HandoffStatus.EXPIRED
+        await bus.sweeper.wait_pass()
+    assert {name for name, _, _ in calls} >= {"request", "enqueue", "take", "accept", "complete", "cancel",
+                                               "status", "settle", "sweep", "lease"}
+    for name, keys, args in calls:
+        slots = {key_slot(k.encode()) for k in keys}
+        if name == "sweep":  # it builds record keys from ARGV[1], which must share KEYS[1]'s tag
+            slots.add(key_slot(f"{args[0]}h:x".encode()))
+        assert len(slots) == 1, (name, keys)
+
+
+async def test_a_flushed_script_cache_costs_no_failed_call(real_bus: HandoffBus) -> None:
+    a, b = real_bus.client("a"), real_bus.client("b")
+    for _ in range(3):
+        handle = await a.request_handoff(req("a", "b"))
+        await real_bus.redis.script_flush()
+        await b.accept_handoff(handle.handoff_id)
+        await real_bus.redis.script_flush()
+        await b.complete_handoff(handle.handoff_id, result="ok")
+        with anyio.fail_after(5):
+            assert (await handle.outcome()).result == "ok"
