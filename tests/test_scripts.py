@@ -25,7 +25,8 @@ def test_every_script_has_a_header_matching_its_keys(name: str) -> None:
     assert raw.startswith("--[[") and "Returns" in header
     declared = {int(n) for n in re.findall(r"KEYS\[(\d+)\]", header)}
     assert declared == set(range(1, key_count(name) + 1))
-    used = {int(n) for n in re.findall(r"KEYS\[(\d+)\]", script_source(name))}
+    code = raw.split("]]", 1)[1]
+    used = {int(n) for n in re.findall(r"KEYS\[(\d+)\]", code)}
     assert used <= declared
     assert re.search(r"^-- @include", script_source(name), re.MULTILINE) is None
 
