@@ -186,7 +186,9 @@ class HandoffBus:
         )
         if reply[0] == -1:
             return None
-        fields = dict(zip(reply[2::2], reply[3::2], strict=True))
+        fields = dict(zip(reply[3::2], reply[4::2], strict=True))
+        if reply[2] == 1 and fields.get(b"to"):
+            await self.settle(fields[b"to"].decode(), [handoff_id])  # this read expired it
         return int(reply[0]), reply[1], record_from_hash(fields, self.codec)
 
     async def server_time_ms(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import uuid
 from collections.abc import Sequence
@@ -13,13 +14,20 @@ from . import errors
 from .config import MAX_PRIORITY
 from .errors import InvalidRequest, NotPermitted, raise_for_code
 from .handle import HandoffHandle
-from .models import HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatus, PendingHandoff
+from .models import TERMINAL, HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatus, PendingHandoff
 from .names import check_name, check_names, join_handoff_id, split_handoff_id
 from .records import response_from_reply
 from .waiters import Waiter
 
 if TYPE_CHECKING:
     from .bus import HandoffBus
+
+_canonical = msgspec.msgpack.Encoder(order="sorted")
+
+
+def request_fingerprint(request: HandoffRequest) -> bytes:
+    """A digest of the request's content, the same whatever codec, compression or key order."""
+    return hashlib.blake2b(_canonical.encode(request), digest_size=16).digest()
 
 __all__ = ["HandoffClient"]
 
@@ -80,6 +88,7 @@ class HandoffClient:
         """
         request = self._normalize(request)
         envelope = self._bus.codec.dumps(request)
+        fingerprint = request_fingerprint(request)
         bus = self._bus
         handoff_id = join_handoff_id(self.agent_id, request.request_id)
         keys = bus.keys.record(self.agent_id, request.request_id)
@@ -91,7 +100,7 @@ class HandoffClient:
             keys=keys.as_list(),
             args=[handoff_id, request.request_id, self.agent_id, request.to_agent,
                   int(request.timeout * 1000), envelope, bus.config.retention_ms,
-                  bus.config.response_retention_ms],
+                  bus.config.response_retention_ms, fingerprint],
         )
         code = int(reply[0])
         if code < 0:
@@ -104,6 +113,8 @@ class HandoffClient:
             if request.to_agent:
                 await bus.enqueue(request.to_agent, handoff_id, request.priority)
         else:
+            if request.to_agent and status in TERMINAL:
+                await bus.settle(request.to_agent, [handoff_id])  # e.g. this resubmission expired it
             await self._refresh(waiter)
         return HandoffHandle(self, waiter)
 

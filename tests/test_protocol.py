@@ -402,3 +402,54 @@ async def test_clear_all_handoffs_needs_confirmation_and_keeps_other_prefixes(
     else:
         async with make_bus(backend, servers, prefix=neighbour.config.prefix) as again:
             assert await prefix_keys(again) == neighbour_keys
+
+
+async def test_a_read_that_expires_a_handoff_also_settles_its_queue(backend: str, servers: dict) -> None:
+    from .conftest import make_bus
+
+    async with make_bus(backend, servers, sweep_interval=3600) as quiet:  # only reads can expire here
+        a = quiet.client("a")
+        handle = await a.request_handoff(req("a", "b", timeout=0.1))
+        with anyio.fail_after(5):
+            assert (await handle.decision()).status is S.EXPIRED
+        assert await quiet.redis.zcard(quiet.keys.target("b").queue) == 0
+        again = await a.request_handoff(req("a", "c", timeout=0.1, request_id="late"))
+        with anyio.fail_after(5):
+            await again.decision()
+        await quiet.enqueue("c", again.handoff_id, 0)  # as if the first enqueue came late
+        assert (await a.request_handoff(req("a", "c", timeout=0.1, request_id="late"))).handoff_id == "a/late"
+        assert await quiet.redis.zcard(quiet.keys.target("c").queue) == 0
+
+
+async def test_take_after_the_group_was_deleted_delivers_what_it_took(bus: HandoffBus) -> None:
+    a = bus.client("a")
+    first = await a.request_handoff(req("a", "b", priority=0))
+    second = await a.request_handoff(req("a", "b", priority=1))
+    inbox = Inbox(bus, "b", "w1")
+    _, [taken] = await inbox.take(1)
+    assert taken.handoff_id == first.handoff_id
+    await bus.redis.xgroup_destroy(bus.keys.target("b").inbox, "workers")
+    _, [taken] = await inbox.take(1)
+    assert taken.handoff_id == second.handoff_id
+    pending = await bus.redis.xpending_range(bus.keys.target("b").inbox, "workers", "-", "+", 10)
+    assert [p["message_id"].decode() for p in pending] == [taken.entry_id]
+    inflight = await bus.redis.hgetall(bus.keys.target("b").inflight)
+    assert set(inflight) == {first.handoff_id.encode(), second.handoff_id.encode()}  # nothing forgotten
+
+
+async def test_resubmission_is_judged_by_content_not_by_bytes(backend: str, servers: dict) -> None:
+    from .conftest import make_bus, new_prefix
+
+    prefix = new_prefix()
+    async with make_bus(backend, servers, prefix=prefix, codec="msgpack") as bus:
+        a = bus.client("a")
+        first = await a.request_handoff(req("a", "b", request_id="same", metadata={"x": 1, "y": 2}))
+        reordered = await a.request_handoff(req("a", "b", request_id="same", metadata={"y": 2, "x": 1}))
+        assert reordered.handoff_id == first.handoff_id
+        if backend != "memory":  # a second bus on the same server, writing JSON
+            async with make_bus(backend, servers, prefix=prefix, codec="json") as other:
+                again = await other.client("a").request_handoff(
+                    req("a", "b", request_id="same", metadata={"x": 1, "y": 2})
+                )
+                assert again.handoff_id == first.handoff_id
+        assert [p.handoff_id for p in await bus.client("b").get_pending_handoffs()] == ["a/same"]

@@ -6,12 +6,14 @@
   ARGV[1] handoff id    ARGV[2] request id        ARGV[3] from agent    ARGV[4] to agent ('' = routed)
   ARGV[5] acceptance timeout ms                   ARGV[6] encoded request envelope
   ARGV[7] record retention ms                     ARGV[8] response stream retention ms
+  ARGV[9] request fingerprint (digest of the canonical request: same content, same digest,
+          whatever the codec, compression or dict key order)
 
   Returns:
     {1, 'PENDING', now ms, deadline ms, last response id}  created; the marker expires at the deadline
     {0, current status, now ms, deadline ms, last response id}  the same request exists (nothing written,
        unless its deadline had passed: then it is made EXPIRED and EXPIRED is emitted)
-    {-5} the request id exists with a different request
+    {-5} the request id exists with a different request (another fingerprint)
   The last response id lets the caller read KEYS[4] from a point before any response to
   this handoff, so no response can be missed.
 ]]
@@ -20,10 +22,11 @@
 local hid, request_id, from, to = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local timeout_ms, envelope = tonumber(ARGV[5]), ARGV[6]
 local retention_ms, response_retention_ms = tonumber(ARGV[7]), tonumber(ARGV[8])
+local fingerprint = ARGV[9]
 
-local existing = redis.call('HMGET', KEYS[1], 'status', 'env', 'deadline')
+local existing = redis.call('HMGET', KEYS[1], 'status', 'fp', 'deadline')
 if existing[1] then
-  if existing[2] ~= envelope then return {-5} end
+  if existing[2] ~= fingerprint then return {-5} end
   local now = now_ms()
   local status = existing[1]
   if expire_if_due(KEYS, request_id, status, now, retention_ms, response_retention_ms) then
@@ -37,7 +40,7 @@ local deadline = now + timeout_ms
 local last = last_response_id(KEYS[4])
 redis.call('HSET', KEYS[1],
   'id', hid, 'from', from, 'to', to, 'status', 'PENDING', 'actor', from,
-  'created', fmt(now), 'updated', fmt(now), 'deadline', fmt(deadline), 'env', envelope,
+  'created', fmt(now), 'updated', fmt(now), 'deadline', fmt(deadline), 'env', envelope, 'fp', fingerprint,
   'hist', '[["PENDING","' .. from .. '",' .. fmt(now) .. ']]')
 redis.call('SET', KEYS[2], '1', 'PXAT', fmt(deadline))
 redis.call('ZADD', KEYS[3], deadline, request_id)

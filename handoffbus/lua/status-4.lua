@@ -6,7 +6,9 @@
   ARGV[1] request id    ARGV[2] record retention ms   ARGV[3] response stream retention ms
 
   Returns:
-    {now ms, last response id, field, value, ...}  the record (HGETALL)
+    {now ms, last response id, expired now (1/0), field, value, ...}  the record (HGETALL);
+       "expired now" tells the caller to take the handoff out of its target's queue
+
     {-1} no such handoff
   Events: EXPIRED on KEYS[4] when this read expired the handoff.
 ]]
@@ -16,9 +18,11 @@ local rec = redis.call('HGETALL', KEYS[1])
 if #rec == 0 then return {-1} end
 local now = now_ms()
 local status = redis.call('HGET', KEYS[1], 'status')
+local expired = 0
 if expire_if_due(KEYS, ARGV[1], status, now, tonumber(ARGV[2]), tonumber(ARGV[3])) then
   rec = redis.call('HGETALL', KEYS[1])
+  expired = 1
 end
-local out = {fmt(now), last_response_id(KEYS[4])}
+local out = {fmt(now), last_response_id(KEYS[4]), expired}
 for i = 1, #rec do out[#out + 1] = rec[i] end
 return out

@@ -22,8 +22,10 @@ if count <= 0 then return out end
 
 local popped = redis.call('ZPOPMIN', KEYS[1], count)
 if #popped == 0 then return out end
--- a group deleted under running workers is recreated; the inbox keeps its entries
-pcall(redis.call, 'XGROUP', 'CREATE', KEYS[2], group, '0', 'MKSTREAM')
+-- Create the group if it is missing (first use, or deleted under running workers) at the
+-- stream's end, so that '>' below delivers exactly the entries added here. Entries a deleted
+-- group had delivered stay listed in KEYS[3] with their records, for recovery.
+pcall(redis.call, 'XGROUP', 'CREATE', KEYS[2], group, '$', 'MKSTREAM')
 for i = 1, #popped, 2 do
   local hid = popped[i]
   local entry = redis.call('XADD', KEYS[2], '*', 'h', hid)

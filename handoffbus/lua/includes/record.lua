@@ -35,6 +35,8 @@ end
 -- retention TTL once terminal. Names in history are validated by the client to [A-Za-z0-9_.:-].
 local function transition(keys, request_id, status, actor, now, extra, retention_ms, response_retention_ms)
   local rec = keys[1]
+  -- a response carries its own transition's fields only (the owner, 'agent', stays)
+  redis.call('HDEL', rec, 'reason', 'code', 'retry', 'redirect', 'result', 'error', 'rmeta')
   local fields = {'status', status, 'actor', actor, 'updated', fmt(now)}
   for i = 1, #extra do fields[#fields + 1] = extra[i] end
   local hist = redis.call('HGET', rec, 'hist')
