@@ -11,6 +11,7 @@ import anyio
 import redis.asyncio as aioredis
 from anyio.abc import TaskGroup
 
+from .batching import ScriptBatcher
 from .client import HandoffClient
 from .codecs import PayloadCodec
 from .config import BusConfig
@@ -25,6 +26,14 @@ from .sweeper import Sweeper
 from .waiters import ResponseReader, Waiter
 
 __all__ = ["HandoffBus"]
+
+
+def _client(url: str, max_connections: int) -> Any:
+    options: dict[str, Any] = {"max_connections": max_connections, "timeout": None, "socket_timeout": None}
+    if not url.startswith("unix:"):
+        options["socket_keepalive"] = True  # TCP only: finds dead peers without a socket timeout
+    pool = aioredis.BlockingConnectionPool.from_url(url, **options)
+    return aioredis.Redis.from_pool(pool)  # the client owns the pool and closes it
 
 log = logging.getLogger("handoffbus")
 MIN_SERVER_VERSION = (7, 0)
@@ -55,7 +64,8 @@ class HandoffBus:
         self._redis = redis
         self._server = server
         self._owns_client = owns_client or server is not None
-        self._scripts: Scripts | None = None if redis is None else Scripts(redis)
+        self.scripts = Scripts()
+        self._batcher: ScriptBatcher | None = None
         self._tg: TaskGroup | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._readers: dict[str, ResponseReader] = {}
@@ -66,9 +76,14 @@ class HandoffBus:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def connect(cls, url: str, **settings: Any) -> HandoffBus:
-        """A bus on the server at ``url`` (``redis://``, ``rediss://`` or ``unix://``)."""
-        return cls(aioredis.Redis.from_url(url), owns_client=True, **settings)
+    def connect(cls, url: str, *, max_connections: int = 64, **settings: Any) -> HandoffBus:
+        """A bus on the server at ``url`` (``redis://``, ``rediss://`` or ``unix://``).
+
+        The pool waits for a free connection instead of failing, and sets no socket timeout:
+        readers block in XREAD for ``read_block`` seconds and must not be cut off (TCP
+        keepalive finds dead peers). A ``socket_timeout`` in the URL still applies.
+        """
+        return cls(_client(url, max_connections), owns_client=True, **settings)
 
     @classmethod
     def memory(cls, **settings: Any) -> HandoffBus:
@@ -88,12 +103,6 @@ class HandoffBus:
             raise HandoffbusError("the bus is not open: use 'async with bus'")
         return self._redis
 
-    @property
-    def scripts(self) -> Scripts:
-        if self._scripts is None:
-            raise HandoffbusError("the bus is not open: use 'async with bus'")
-        return self._scripts
-
     # ------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> HandoffBus:
@@ -101,12 +110,14 @@ class HandoffBus:
         try:
             if self._server is not None:
                 await stack.enter_async_context(self._server)
-                self._redis = aioredis.Redis.from_url(self._server.url)
-                self._scripts = Scripts(self._redis)
+                self._redis = _client(self._server.url, 64)
             if self._owns_client:
                 stack.push_async_callback(self._close_client)
             await self._check_server()
+            await self.scripts.load(self.redis)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
+            self._batcher = ScriptBatcher(self.redis)
+            await self._tg.start(self._batcher.run)
             await self._tg.start(self.sweeper.run)
         except BaseException:
             await stack.aclose()
@@ -151,6 +162,18 @@ class HandoffBus:
 
     # ------------------------------------------------------------------ shared by clients
 
+    async def script(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """Run one script; calls made at the same time share a pipeline (see batching.py)."""
+        if self._batcher is None:
+            raise HandoffbusError("the bus is not open: use 'async with bus'")
+        return await self._batcher.call(self.scripts[name], keys, args)
+
+    async def scripts_many(self, calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+        """Run several scripts in this order in one round trip; each reply or its exception."""
+        if self._batcher is None:
+            raise HandoffbusError("the bus is not open: use 'async with bus'")
+        return await self._batcher.call_many([(self.scripts[n], k, a) for n, k, a in calls])
+
     def client(self, agent_id: str) -> HandoffClient:
         """A client acting as ``agent_id`` (the identity checked by every transition)."""
         return HandoffClient(self, agent_id)
@@ -161,28 +184,38 @@ class HandoffBus:
             reader = self._readers[agent] = ResponseReader(self, agent, refresh)
         return reader
 
+    async def _register(self, known: set[str], key: str, agent: str) -> None:
+        if agent in known:
+            return
+        known.add(agent)  # before awaiting, so a burst of first requests sends one SADD
+        try:
+            await self.redis.sadd(key, agent)
+        except BaseException:
+            known.discard(agent)
+            raise
+
     async def register_requester(self, agent: str) -> None:
-        if agent not in self._known_requesters:
-            await self.redis.sadd(self.keys.requesters, agent)
-            self._known_requesters.add(agent)
+        await self._register(self._known_requesters, self.keys.requesters, agent)
+
+    async def register_target(self, agent: str) -> None:
+        await self._register(self._known_targets, self.keys.targets, agent)
+
+    def enqueue_call(self, target: str, handoff_id: str, priority: int) -> tuple[str, list[str], list[Any]]:
+        return "enqueue", self.keys.target(target).as_list(), [handoff_id, priority]
 
     async def enqueue(self, target: str, handoff_id: str, priority: int) -> bool:
-        if target not in self._known_targets:
-            await self.redis.sadd(self.keys.targets, target)
-            self._known_targets.add(target)
-        added = await self.scripts.enqueue(keys=self.keys.target(target).as_list(), args=[handoff_id, priority])
-        return bool(added)
+        await self.register_target(target)
+        return bool(await self.script(*self.enqueue_call(target, handoff_id, priority)))
 
     async def settle(self, target: str, handoff_ids: list[str]) -> int:
-        removed = await self.scripts.settle(keys=self.keys.target(target).as_list(), args=[GROUP, *handoff_ids])
-        return int(removed)
+        return int(await self.script("settle", self.keys.target(target).as_list(), [GROUP, *handoff_ids]))
 
     async def read_record(self, handoff_id: str) -> tuple[int, bytes, HandoffRecord] | None:
         """(server now ms, response stream position, record) or None; expires the record if due."""
         requester, request_id = split_handoff_id(handoff_id)
-        reply = await self.scripts.status(
-            keys=self.keys.record(requester, request_id).as_list(),
-            args=[request_id, self.config.retention_ms, self.config.response_retention_ms],
+        reply = await self.script(
+            "status", self.keys.record(requester, request_id).as_list(),
+            [request_id, self.config.retention_ms, self.config.response_retention_ms],
         )
         if reply[0] == -1:
             return None

@@ -96,25 +96,36 @@ class HandoffClient:
         reader = bus.reader(self.agent_id, self._refresh)
         waiter = reader.watch(handoff_id)
         assert request.timeout is not None
-        reply = await bus.scripts.request(
-            keys=keys.as_list(),
-            args=[handoff_id, request.request_id, self.agent_id, request.to_agent,
-                  int(request.timeout * 1000), envelope, bus.config.retention_ms,
-                  bus.config.response_retention_ms, fingerprint],
-        )
+        calls = [("request", keys.as_list(), [
+            handoff_id, request.request_id, self.agent_id, request.to_agent, int(request.timeout * 1000),
+            envelope, bus.config.retention_ms, bus.config.response_retention_ms, fingerprint,
+        ])]
+        if request.to_agent:
+            # one round trip: the enqueue runs right after the record exists; if the request
+            # turns out to be a resubmission, the enqueue finds it queued or in flight (a no-op)
+            # or queues a decided handoff, which the worker that takes it drops
+            await bus.register_target(request.to_agent)
+            calls.append(bus.enqueue_call(request.to_agent, handoff_id, request.priority))
+        replies = await bus.scripts_many(calls)
+        for failed in replies:
+            if isinstance(failed, BaseException):
+                reader.forget(waiter)
+                raise failed
+        reply = replies[0]
         code = int(reply[0])
-        if code < 0:
+        status = HandoffStatus(reply[1].decode()) if code >= 0 else None
+        if request.to_agent and replies[1] == 1 and status is not HandoffStatus.PENDING:
+            # a refused or resubmitted-after-decision request: take back the queue entry this
+            # call added (the queue only: an in-flight entry belongs to the worker handling it)
+            await bus.redis.zrem(bus.keys.target(request.to_agent).queue, handoff_id)
+        if status is None:
             reader.forget(waiter)
             raise_for_code(code, handoff_id, self.agent_id, "request", None)
-        status = HandoffStatus(reply[1].decode())
         waiter.set_deadline(int(reply[2]), int(reply[3]))
         reader.start(reply[4])
-        if status is HandoffStatus.PENDING:
-            if request.to_agent:
-                await bus.enqueue(request.to_agent, handoff_id, request.priority)
-        else:
-            if request.to_agent and status in TERMINAL:
-                await bus.settle(request.to_agent, [handoff_id])  # e.g. this resubmission expired it
+        if status in TERMINAL and request.to_agent:
+            await bus.settle(request.to_agent, [handoff_id])  # e.g. this resubmission expired it
+        if status is not HandoffStatus.PENDING:
             await self._refresh(waiter)
         return HandoffHandle(self, waiter)
 
@@ -154,7 +165,7 @@ class HandoffClient:
         for key, value in fields.items():
             if value is not None:
                 args += [key, value]
-        reply = await getattr(bus.scripts, name)(keys=bus.keys.record(requester, request_id).as_list(), args=args)
+        reply = await bus.script(name, bus.keys.record(requester, request_id).as_list(), args)
         code = int(reply[0])
         if code == errors.EXPIRED and reply[1]:
             await bus.settle(reply[1].decode(), [handoff_id])

@@ -1,10 +1,10 @@
 """Loads the Lua scripts under ``handoffbus/lua/`` and registers them with a client.
 
-Why EVALSHA rather than a FUNCTION library: redis-py's Script objects send EVALSHA and
-reload on NOSCRIPT by themselves, in pipelines too, so a ``SCRIPT FLUSH``, a failover to a
-replica or a restarted server costs one retried call and never a failed one; the cluster
-client routes each call by its first key; and fakeredis runs the same scripts, so the
-in-memory mode shares every line of Lua. A FUNCTION library must be re-loaded by hand after
+Why EVALSHA rather than a FUNCTION library: a call that meets NOSCRIPT loads the script and
+is retried (see ``batching.py``), so a ``SCRIPT FLUSH``, a failover to a replica or a
+restarted server costs one retried call and never a failed one; a cluster client routes each
+call by its first key; and fakeredis runs the same scripts, so the in-memory mode shares
+every line of Lua. A FUNCTION library must be re-loaded by hand after
 ``FUNCTION FLUSH`` or a restart and is not implemented by fakeredis.
 
 Scripts are files named ``<name>-<number of keys>.lua``. A line ``-- @include <name>`` is
@@ -14,12 +14,14 @@ travels in KEYS and ARGV.
 
 from __future__ import annotations
 
+import hashlib
 import re
+from collections.abc import Iterator
 from functools import cache
 from importlib import resources
 from typing import Any
 
-__all__ = ["SCRIPT_NAMES", "Scripts", "script_source"]
+__all__ = ["SCRIPT_NAMES", "Script", "Scripts", "script_source"]
 
 SCRIPT_NAMES = (
     "request",
@@ -61,22 +63,50 @@ def key_count(name: str) -> int:
     return _files()[name][0]
 
 
+class Script:
+    """One script: its name, number of keys, full source and SHA1 (what EVALSHA names it by)."""
+
+    __slots__ = ("keys", "name", "sha", "source")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.keys = key_count(name)
+        self.source = script_source(name)
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+
+
 class Scripts:
-    """The registered scripts of one client, as attributes: ``scripts.accept(keys=..., args=...)``."""
+    """Every script, as attributes: ``scripts.accept.sha``. Calls go through ``HandoffBus.script``."""
 
-    def __init__(self, redis: Any) -> None:
+    def __init__(self) -> None:
         for name in SCRIPT_NAMES:
-            setattr(self, name, redis.register_script(script_source(name)))
+            setattr(self, name, Script(name))
 
-    request: Any
-    accept: Any
-    reject: Any
-    complete: Any
-    fail: Any
-    cancel: Any
-    status: Any
-    sweep: Any
-    enqueue: Any
-    take: Any
-    settle: Any
-    lease: Any
+    def __iter__(self) -> Iterator[Script]:
+        return (getattr(self, name) for name in SCRIPT_NAMES)
+
+    def __getitem__(self, name: str) -> Script:
+        if name not in SCRIPT_NAMES:
+            raise KeyError(name)
+        script: Script = getattr(self, name)
+        return script
+
+    async def load(self, redis: Any) -> None:
+        """SCRIPT LOAD every script, so the first calls of a burst do not all miss the cache."""
+        async with redis.pipeline(transaction=False) as pipe:
+            for script in self:
+                pipe.script_load(script.source)
+            await pipe.execute()
+
+    request: Script
+    accept: Script
+    reject: Script
+    complete: Script
+    fail: Script
+    cancel: Script
+    status: Script
+    sweep: Script
+    enqueue: Script
+    take: Script
+    settle: Script
+    lease: Script

@@ -41,16 +41,13 @@ class Sweeper:
 
     async def hold_lease(self) -> bool:
         bus = self._bus
-        held = await bus.scripts.lease(
-            keys=[bus.keys.sweep_lease], args=[self._token, int(bus.config.sweep_lease * 1000)]
-        )
+        held = await bus.script("lease", [bus.keys.sweep_lease], [self._token, int(bus.config.sweep_lease * 1000)])
         return bool(held)
 
     async def sweep_once(self) -> int:
         """Expire what is due for every requester; return how many handoffs expired.
 
-        One script per requester, pipelined in batches: a pass over N requesters costs about
-        N / 200 round trips.
+        One script per requester, sent in batches of 200 in one round trip each.
         """
         bus = self._bus
         expired = 0
@@ -59,16 +56,15 @@ class Sweeper:
 
         async def flush() -> None:
             nonlocal expired
-            async with bus.redis.pipeline(transaction=False) as pipe:
-                for agent in batch:
-                    await bus.scripts.sweep(
-                        keys=[bus.keys.deadlines(agent)],
-                        args=[bus.keys.slot(agent), bus.config.sweep_batch, bus.config.retention_ms,
-                              bus.config.response_retention_ms],
-                        client=pipe,
-                    )
-                replies = await pipe.execute()
+            replies = await bus.scripts_many([
+                ("sweep", [bus.keys.deadlines(agent)],
+                 [bus.keys.slot(agent), bus.config.sweep_batch, bus.config.retention_ms,
+                  bus.config.response_retention_ms])
+                for agent in batch
+            ])
             for reply in replies:
+                if isinstance(reply, BaseException):
+                    raise reply
                 expired += int(reply[0])
                 for i in range(1, len(reply), 2):
                     if reply[i + 1]:
@@ -87,7 +83,8 @@ class Sweeper:
 
     async def release_lease(self) -> None:
         bus = self._bus
-        await bus.scripts.lease(keys=[bus.keys.sweep_lease], args=[self._token, 0])
+        # straight to Redis: the script batcher may already be closed
+        await bus.redis.evalsha(bus.scripts.lease.sha, 1, bus.keys.sweep_lease, self._token, 0)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()

@@ -37,16 +37,15 @@ def test_every_script_file_is_registered() -> None:
 
 async def test_every_call_stays_in_one_hash_slot(bus: HandoffBus) -> None:
     calls: list[tuple[str, list[str], list[Any]]] = []
-    for name in SCRIPT_NAMES:
-        script = getattr(bus.scripts, name)
+    batcher = bus._batcher
+    assert batcher is not None
+    call_many = batcher.call_many
 
-        def recorder(script: Any = script, name: str = name) -> Any:
-            async def call(*, keys: list[str], args: list[Any], client: Any = None) -> Any:
-                calls.append((name, keys, args))
-                return await script(keys=keys, args=args, client=client)
-            return call
+    async def recording(batch: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
+        calls.extend((script.name, keys, args) for script, keys, args in batch)
+        return await call_many(batch)
 
-        setattr(bus.scripts, name, recorder())
+    batcher.call_many = recording  # type: ignore[method-assign]
     a, b = bus.client("general-agent-1"), bus.client("security-specialist-1")
     h1 = await a.request_handoff(req("general-agent-1", "security-specialist-1"))
     h2 = await a.request_handoff(req("general-agent-1", "security-specialist-1", timeout=0.1))

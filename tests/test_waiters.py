@@ -57,3 +57,29 @@ async def test_waiters_on_several_requesters_each_get_their_own_answers(bus: Han
         outcomes = [await h.outcome() for h in handles]
     assert [o.result for o in outcomes] == list(range(len(handles)))
     assert all(o.handoff_id == h.handoff_id for o, h in zip(outcomes, handles, strict=True))
+
+
+async def test_a_burst_of_concurrent_first_requests(real_bus: HandoffBus) -> None:
+    a = real_bus.client("burst")
+    handles: list[object] = []
+
+    async def send(i: int) -> None:
+        handles.append(await a.request_handoff(req("burst", "t", request_id=f"r{i}")))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(150):
+            tg.start_soon(send, i)
+    assert len(handles) == 150
+    assert await real_bus.redis.zcard(real_bus.keys.target("t").queue) == 150
+    assert await real_bus.redis.smembers(real_bus.keys.requesters) == {b"burst"}
+
+
+async def test_an_idle_reader_outlasts_the_client_library_socket_timeout(
+    real_bus: HandoffBus, caplog: pytest.LogCaptureFixture
+) -> None:
+    # redis-py 8 gives connections a 5 s socket timeout unless told otherwise; a reader in
+    # XREAD BLOCK 5000 (read_block's default) must not be cut off and reconnect
+    handle = await real_bus.client("a").request_handoff(req("a", "nobody", timeout=5.6))
+    with anyio.fail_after(10):
+        assert (await handle.decision()).status is HandoffStatus.EXPIRED
+    assert not [r for r in caplog.records if "lost its connection" in r.getMessage()]

@@ -42,7 +42,7 @@ class Inbox:
 
         Returns the doorbell position to pass to ``wait`` when nothing was taken.
         """
-        reply = await self._bus.scripts.take(keys=self._keys, args=[GROUP, self.consumer, count, *settle])
+        reply = await self._bus.script("take", self._keys, [GROUP, self.consumer, count, *settle])
         taken = [
             Delivery(handoff_id=reply[i].decode(), entry_id=reply[i + 1].decode()) for i in range(1, len(reply), 2)
         ]

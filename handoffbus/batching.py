@@ -1,0 +1,125 @@
+"""Automatic pipelining: script calls made at the same time travel in one round trip.
+
+Every transition is one EVALSHA; sent one by one from many concurrent tasks, each pays a
+full round trip and redis-py's per-command overhead. Calls are queued instead, and a few
+sender tasks drain the queue into pipelines: whatever was queued while the previous
+pipeline was on the wire goes out together. A lone call still goes out at once, so idle
+latency is one round trip as before.
+
+Each call keeps its own reply or error. A call that meets NOSCRIPT (script cache flushed,
+failover, restart) has its script loaded and is sent again. When the bus closes, calls not
+yet answered fail with ``HandoffbusError`` instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+from redis.exceptions import NoScriptError
+
+from .errors import HandoffbusError
+from .scripts import Script
+
+__all__ = ["ScriptBatcher"]
+
+log = logging.getLogger("handoffbus")
+
+
+class _Call:
+    __slots__ = ("args", "done", "error", "keys", "result", "script")
+
+    def __init__(self, script: Script, keys: list[str], args: list[Any]) -> None:
+        self.script = script
+        self.keys = keys
+        self.args = args
+        self.done = anyio.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        self.result, self.error = result, error
+        self.done.set()
+
+
+class ScriptBatcher:
+    def __init__(self, redis: Any, *, senders: int = 2, max_batch: int = 512) -> None:
+        self._redis = redis
+        self._senders = senders
+        self._max_batch = max_batch
+        self._queue: list[_Call] = []
+        self._in_flight: set[_Call] = set()
+        self._wake = anyio.Event()
+        self._closed = False
+
+    async def call(self, script: Script, keys: list[str], args: list[Any]) -> Any:
+        (reply,) = await self.call_many([(script, keys, args)])
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    async def call_many(self, calls: list[tuple[Script, list[str], list[Any]]]) -> list[Any]:
+        """Queue several calls together (they run in this order); each reply or its exception."""
+        if self._closed:
+            raise HandoffbusError("the bus is closed")
+        queued = [_Call(script, keys, args) for script, keys, args in calls]
+        self._queue.extend(queued)
+        self._wake.set()
+        for call in queued:
+            await call.done.wait()
+        return [call.error if call.error is not None else call.result for call in queued]
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                for _ in range(self._senders):
+                    tg.start_soon(self._sender)
+                task_status.started()
+        finally:
+            self._closed = True
+            closed = HandoffbusError("the bus closed before Redis answered")
+            for call in [*self._queue, *self._in_flight]:
+                call.finish(error=closed)
+            self._queue.clear()
+
+    async def _sender(self) -> None:
+        while True:
+            while not self._queue:
+                if self._wake.is_set():
+                    self._wake = anyio.Event()
+                await self._wake.wait()
+            batch = self._queue[: self._max_batch]
+            del self._queue[: self._max_batch]
+            self._in_flight.update(batch)
+            try:
+                await self._send(batch)
+            finally:
+                self._in_flight.difference_update(batch)
+
+    async def _execute(self, batch: list[_Call]) -> list[Any]:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for call in batch:
+                pipe.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
+            replies: list[Any] = await pipe.execute(raise_on_error=False)
+            return replies
+
+    async def _send(self, batch: list[_Call]) -> None:
+        try:
+            replies = await self._execute(batch)
+            missing = [c for c, r in zip(batch, replies, strict=True) if isinstance(r, NoScriptError)]
+            if missing:
+                for script in {c.script.name: c.script for c in missing}.values():
+                    await self._redis.script_load(script.source)
+                retried = dict(zip(map(id, missing), await self._execute(missing), strict=True))
+                replies = [retried.get(id(c), r) for c, r in zip(batch, replies, strict=True)]
+        except Exception as exc:  # the connection failed: every call of the batch hears it
+            for call in batch:
+                call.finish(error=exc)
+            return
+        for call, reply in zip(batch, replies, strict=True):
+            if isinstance(reply, Exception):
+                call.finish(error=reply)
+            else:
+                call.finish(result=reply)
