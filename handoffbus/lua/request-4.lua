@@ -24,15 +24,12 @@ local timeout_ms, envelope = tonumber(ARGV[5]), ARGV[6]
 local retention_ms, response_retention_ms = tonumber(ARGV[7]), tonumber(ARGV[8])
 local fingerprint = ARGV[9]
 
-local existing = redis.call('HMGET', KEYS[1], 'status', 'fp', 'deadline')
-if existing[1] then
-  if existing[2] ~= fingerprint then return {-5} end
+local existing = read_record(KEYS[1], {'fp', 'deadline'})
+if existing.status then
+  if existing.fp ~= fingerprint then return {-5} end
   local now = now_ms()
-  local status = existing[1]
-  if expire_if_due(KEYS, request_id, status, now, retention_ms, response_retention_ms) then
-    status = 'EXPIRED'
-  end
-  return {0, status, fmt(now), existing[3], last_response_id(KEYS[4])}
+  expire_if_due(KEYS, existing, request_id, now, retention_ms, response_retention_ms)
+  return {0, existing.status, fmt(now), existing.deadline, last_response_id(KEYS[4])}
 end
 
 local now = now_ms()

@@ -17,9 +17,8 @@
 local rec = redis.call('HGETALL', KEYS[1])
 if #rec == 0 then return {-1} end
 local now = now_ms()
-local status = redis.call('HGET', KEYS[1], 'status')
 local expired = 0
-if expire_if_due(KEYS, ARGV[1], status, now, tonumber(ARGV[2]), tonumber(ARGV[3])) then
+if expire_if_due(KEYS, read_record(KEYS[1], {}), ARGV[1], now, tonumber(ARGV[2]), tonumber(ARGV[3])) then
   rec = redis.call('HGETALL', KEYS[1])
   expired = 1
 end

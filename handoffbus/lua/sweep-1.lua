@@ -21,13 +21,13 @@ local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', fmt(now), 'LIMIT', 0, t
 local out = {0}
 for _, request_id in ipairs(due) do
   local keys = {base .. 'h:' .. request_id, base .. 'p:' .. request_id, KEYS[1], base .. 'responses'}
-  local rec = redis.call('HMGET', keys[1], 'status', 'id', 'to')
-  if not rec[1] or rec[1] ~= 'PENDING' then
+  local rec = read_record(keys[1], {'to'})
+  if rec.status ~= 'PENDING' then
     redis.call('ZREM', KEYS[1], request_id)  -- decided or gone: a stale index entry
-  elseif expire_if_due(keys, request_id, rec[1], now, retention_ms, response_retention_ms) then
+  elseif expire_if_due(keys, rec, request_id, now, retention_ms, response_retention_ms) then
     out[1] = out[1] + 1
-    out[#out + 1] = rec[2]
-    out[#out + 1] = rec[3]
+    out[#out + 1] = rec.id
+    out[#out + 1] = rec.to
   end
   -- else the marker outlives TIME by under a millisecond: the next pass takes it
 end

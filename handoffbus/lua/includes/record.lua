@@ -25,45 +25,73 @@ end
 local RESPONSE_FIELDS = {'agent', 'reason', 'code', 'retry', 'redirect', 'result', 'error', 'rmeta'}
 local TERMINAL = {REJECTED = true, COMPLETED = true, EXPIRED = true, CANCELLED = true, FAILED = true}
 
--- The record's current response as a flat list: status, actor, updated, then RESPONSE_FIELDS.
-local function current_response(rec)
-  return redis.call('HMGET', rec, 'status', 'actor', 'updated', unpack(RESPONSE_FIELDS))
+-- A response as the flat reply the client reads: status, actor, ts, then RESPONSE_FIELDS
+-- (false where absent). `values` maps field name -> value.
+local function response_reply(status, actor, ts, values)
+  local out = {status, actor, ts}
+  for i = 1, #RESPONSE_FIELDS do out[i + 3] = values[RESPONSE_FIELDS[i]] or false end
+  return out
 end
 
--- Move a record to `status`: write `extra` (field/value pairs), append the history entry
--- (status, actor, Redis time), leave the pending indexes, emit the response, and start the
--- retention TTL once terminal. Names in history are validated by the client to [A-Za-z0-9_.:-].
-local function transition(keys, request_id, status, actor, now, extra, retention_ms, response_retention_ms)
-  local rec = keys[1]
-  -- a response carries its own transition's fields only (the owner, 'agent', stays)
-  redis.call('HDEL', rec, 'reason', 'code', 'retry', 'redirect', 'result', 'error', 'rmeta')
-  local fields = {'status', status, 'actor', actor, 'updated', fmt(now)}
-  for i = 1, #extra do fields[#fields + 1] = extra[i] end
-  local hist = redis.call('HGET', rec, 'hist')
-  fields[#fields + 1] = 'hist'
-  fields[#fields + 1] = string.sub(hist, 1, -2) .. ',["' .. status .. '","' .. actor .. '",' .. fmt(now) .. ']]'
-  redis.call('HSET', rec, unpack(fields))
-  redis.call('DEL', keys[2])
-  redis.call('ZREM', keys[3], request_id)
+-- The record's stored response (for a repeated transition).
+local function stored_response(key)
+  return redis.call('HMGET', key, 'status', 'actor', 'updated', unpack(RESPONSE_FIELDS))
+end
 
-  local values = redis.call('HMGET', rec, 'id', unpack(RESPONSE_FIELDS))
-  local entry = {'id', values[1], 'status', status, 'actor', actor, 'ts', fmt(now)}
+--[[
+  Move a record to `status`: write `extra` (field/value pairs), append the history entry
+  (status, actor, Redis time), leave the pending indexes when leaving PENDING, emit the
+  response, and start the retention TTL once terminal. `rec` holds what the caller read:
+  status, id, hist and agent (the owner, if any). Names in history are validated by the
+  client to [A-Za-z0-9_.:-]. Returns the response as response_reply() builds it.
+]]
+local function transition(keys, rec, request_id, status, actor, now, extra, retention_ms, response_retention_ms)
+  local key, ts = keys[1], fmt(now)
+  -- a response carries its own transition's fields only (the owner, 'agent', stays)
+  redis.call('HDEL', key, 'reason', 'code', 'retry', 'redirect', 'result', 'error', 'rmeta')
+  local fields = {'status', status, 'actor', actor, 'updated', ts,
+    'hist', string.sub(rec.hist, 1, -2) .. ',["' .. status .. '","' .. actor .. '",' .. ts .. ']]'}
+  local values = {agent = rec.agent}
+  for i = 1, #extra, 2 do
+    fields[#fields + 1] = extra[i]
+    fields[#fields + 1] = extra[i + 1]
+    values[extra[i]] = extra[i + 1]
+  end
+  redis.call('HSET', key, unpack(fields))
+  if rec.status == 'PENDING' then
+    redis.call('DEL', keys[2])
+    redis.call('ZREM', keys[3], request_id)
+  end
+  local entry = {'id', rec.id, 'status', status, 'actor', actor, 'ts', ts}
   for i = 1, #RESPONSE_FIELDS do
-    if values[i + 1] then
+    local value = values[RESPONSE_FIELDS[i]]
+    if value then
       entry[#entry + 1] = RESPONSE_FIELDS[i]
-      entry[#entry + 1] = values[i + 1]
+      entry[#entry + 1] = value
     end
   end
   redis.call('XADD', keys[4], 'MINID', '~', fmt(now - response_retention_ms), '*', unpack(entry))
   if TERMINAL[status] then
-    redis.call('PEXPIRE', rec, retention_ms)
+    redis.call('PEXPIRE', key, retention_ms)
   end
+  return response_reply(status, actor, ts, values)
+end
+
+-- Read what transition() needs, as a table: status, id, hist, agent, plus `more` fields.
+local function read_record(key, more)
+  local names = {'status', 'id', 'hist', 'agent'}
+  for i = 1, #more do names[#names + 1] = more[i] end
+  local values = redis.call('HMGET', key, unpack(names))
+  local rec = {}
+  for i = 1, #names do rec[names[i]] = values[i] or nil end
+  return rec
 end
 
 -- If the record is PENDING and its marker has expired, make it EXPIRED now. Returns true if so.
-local function expire_if_due(keys, request_id, status, now, retention_ms, response_retention_ms)
-  if status == 'PENDING' and redis.call('EXISTS', keys[2]) == 0 then
-    transition(keys, request_id, 'EXPIRED', 'bus', now, {}, retention_ms, response_retention_ms)
+local function expire_if_due(keys, rec, request_id, now, retention_ms, response_retention_ms)
+  if rec.status == 'PENDING' and redis.call('EXISTS', keys[2]) == 0 then
+    transition(keys, rec, request_id, 'EXPIRED', 'bus', now, {}, retention_ms, response_retention_ms)
+    rec.status = 'EXPIRED'
     return true
   end
   return false
@@ -92,29 +120,30 @@ end
 local function run_transition(status, from, who)
   local request_id, actor = ARGV[2], ARGV[3]
   local retention_ms, response_retention_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
-  local rec = redis.call('HMGET', KEYS[1], 'status', 'from', 'to', 'agent', 'actor')
-  local current = rec[1]
+  local rec = read_record(KEYS[1], {'from', 'to', 'actor'})
+  local current = rec.status
   if not current then return {-1} end
+  local to = rec.to
   local now = now_ms()
-  if expire_if_due(KEYS, request_id, current, now, retention_ms, response_retention_ms) then
-    return {-3, rec[3]}
+  if expire_if_due(KEYS, rec, request_id, now, retention_ms, response_retention_ms) then
+    return {-3, to}
   end
 
-  if current == status and rec[5] == actor then
-    return {0, rec[3], unpack(current_response(KEYS[1]))}
+  if current == status and rec.actor == actor then
+    return {0, to, unpack(stored_response(KEYS[1]))}
   end
   -- the status decides first: anything on a terminal handoff is an invalid transition
   if not from[current] then
-    if current == 'EXPIRED' then return {-3, rec[3]} end
+    if current == 'EXPIRED' then return {-3, to} end
     return {-2, current}
   end
   local allowed
   if who == 'target' then
-    allowed = (rec[3] == '' or rec[3] == actor)
+    allowed = (to == '' or to == actor)
   elseif who == 'owner' then
-    allowed = (rec[4] == actor)
+    allowed = (rec.agent == actor)
   else
-    allowed = (rec[2] == actor)
+    allowed = (rec.from == actor)
   end
   if not allowed then return {-4} end
 
@@ -124,6 +153,6 @@ local function run_transition(status, from, who)
     extra[#extra + 1] = 'agent'
     extra[#extra + 1] = actor
   end
-  transition(KEYS, request_id, status, actor, now, extra, retention_ms, response_retention_ms)
-  return {1, rec[3], unpack(current_response(KEYS[1]))}
+  return {1, to, unpack(transition(KEYS, rec, request_id, status, actor, now, extra, retention_ms,
+    response_retention_ms))}
 end
