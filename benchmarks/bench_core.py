@@ -32,6 +32,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 from collections import Counter
@@ -64,6 +65,9 @@ _SUBCOMMANDS = frozenset({"CLIENT", "CONFIG", "SCRIPT", "XGROUP", "XINFO", "COMM
 
 
 # ---------------------------------------------------------------------------- counting
+
+
+_EVALSHA = re.compile(rb"\*\d+\r\n\$7\r\nEVALSHA\r\n\$40\r\n([0-9a-f]{40})\r\n")
 
 
 class CommandCounter:
@@ -116,6 +120,13 @@ def counting_client(url: str, counter: CommandCounter, pool_options: dict[str, A
         def pack_command(self, *args: Any) -> list[bytes]:
             counter.record(args)
             return super().pack_command(*args)
+
+        async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+            # handoffbus's script batcher writes pre-packed EVALSHA batches as one bytes object
+            if isinstance(command, bytes):
+                for sha in _EVALSHA.findall(command):
+                    counter.record(("EVALSHA", sha))
+            await super().send_packed_command(command, check_health)
 
     CountingConnection.__name__ = f"Counting{base.__name__}"
     pool.connection_class = CountingConnection

@@ -10,7 +10,6 @@ import msgspec
 from .codecs import PayloadCodec
 from .errors import DecodeError
 from .models import HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatus, HistoryEntry
-from .names import split_handoff_id
 
 __all__ = ["RESPONSE_FIELDS", "record_from_hash", "response_from_fields", "response_from_reply"]
 
@@ -33,7 +32,7 @@ def response_from_fields(handoff_id: str, f: Mapping[bytes, bytes], codec: Paylo
         result, meta = f.get(b"result"), f.get(b"rmeta")
         return HandoffResponse(
             handoff_id=handoff_id,
-            request_id=split_handoff_id(handoff_id)[1],
+            request_id=handoff_id.partition("/")[2],  # read back from Redis: validated when written
             status=status,
             accepted=status in _ACCEPTED_LIKE,
             actor=_text(f.get(b"actor")),

@@ -78,3 +78,25 @@ async def test_a_flushed_script_cache_costs_no_failed_call(real_bus: HandoffBus)
         await b.complete_handoff(handle.handoff_id, result="ok")
         with anyio.fail_after(5):
             assert (await handle.outcome()).result == "ok"
+
+
+async def test_closing_the_bus_fails_calls_still_waiting(backend: str, servers: dict) -> None:
+    from handoffbus import HandoffbusError
+
+    from .conftest import make_bus
+
+    failures: list[BaseException] = []
+
+    async def request(bus: HandoffBus, i: int) -> None:
+        try:
+            await bus.client("a").request_handoff(req("a", "b", request_id=f"r{i}"))
+        except HandoffbusError as exc:
+            failures.append(exc)
+
+    with anyio.fail_after(10):  # nothing may hang
+        async with anyio.create_task_group() as outer, make_bus(backend, servers) as bus:
+            for i in range(50):
+                outer.start_soon(request, bus, i)
+            await anyio.lowlevel.checkpoint()
+            # the bus closed while calls were queued or on the wire
+    assert failures and all("closed" in str(f) for f in failures)
