@@ -82,9 +82,9 @@ class HandoffClient:
     async def request_handoff(self, request: HandoffRequest) -> HandoffHandle:
         """Create a handoff (or re-attach to the one with this request id) and return its handle.
 
-        Two idempotent steps: the record in this agent's slot, then the target's queue. A crash
-        between them leaves a PENDING record that a retry with the same request_id re-queues,
-        or that expires at its deadline; nothing is doubled either way.
+        Two idempotent scripts, sent in this order in one round trip: the record in this agent's
+        slot, then the target's queue. A crash between them leaves a PENDING record that a retry
+        with the same request_id re-queues, or that expires at its deadline; nothing is doubled.
         """
         request = self._normalize(request)
         envelope = self._bus.codec.dumps(request)
@@ -101,9 +101,8 @@ class HandoffClient:
             envelope, bus.config.retention_ms, bus.config.response_retention_ms, fingerprint,
         ])]
         if request.to_agent:
-            # one round trip: the enqueue runs right after the record exists; if the request
-            # turns out to be a resubmission, the enqueue finds it queued or in flight (a no-op)
-            # or queues a decided handoff, which the worker that takes it drops
+            # the enqueue runs right after the record exists; for a resubmission it finds the
+            # handoff queued or in flight (a no-op), or queues a decided one, taken back below
             await bus.register_target(request.to_agent)
             calls.append(bus.enqueue_call(request.to_agent, handoff_id, request.priority))
         replies = await bus.scripts_many(calls)
