@@ -45,7 +45,7 @@ class HandoffHandle:
             if waiter.deadline_at is not None:
                 wait = min(wait, max(waiter.deadline_at - anyio.current_time(), 0) + _DEADLINE_GRACE)
             with anyio.move_on_after(wait):
-                await waiter.decided.wait()
+                await waiter.wait_decided()
             if waiter.decision is None:
                 # at or past the deadline the status script itself makes the handoff EXPIRED
                 await self._client._refresh(waiter)
@@ -59,7 +59,7 @@ class HandoffHandle:
         waiter = self._waiter
         while waiter.outcome is None:
             with anyio.move_on_after(_SAFETY_REFRESH):
-                await waiter.finished.wait()
+                await waiter.wait_finished()
             if waiter.outcome is None:
                 await self._client._refresh(waiter)
         return waiter.outcome

@@ -32,14 +32,29 @@ log = logging.getLogger("handoffbus")
 class Waiter:
     """What the requester knows of one handoff, with events to wait on."""
 
+    __slots__ = ("_decided", "_finished", "deadline_at", "decision", "handoff_id", "outcome")
+
     def __init__(self, handoff_id: str) -> None:
         self.handoff_id = handoff_id
         self.decision: HandoffResponse | None = None
         self.outcome: HandoffResponse | None = None
-        self.decided = anyio.Event()
-        self.finished = anyio.Event()
+        # events are made only when someone waits: many answers arrive before anyone does
+        self._decided: anyio.Event | None = None
+        self._finished: anyio.Event | None = None
         #: anyio clock time at which the server's acceptance deadline falls, while PENDING.
         self.deadline_at: float | None = None
+
+    async def wait_decided(self) -> None:
+        if self.decision is None:
+            if self._decided is None:
+                self._decided = anyio.Event()
+            await self._decided.wait()
+
+    async def wait_finished(self) -> None:
+        if self.outcome is None:
+            if self._finished is None:
+                self._finished = anyio.Event()
+            await self._finished.wait()
 
     def set_deadline(self, now_ms: int, deadline_ms: int) -> None:
         self.deadline_at = anyio.current_time() + max(deadline_ms - now_ms, 0) / 1000
@@ -53,11 +68,12 @@ class Waiter:
                 self.decision = msgspec.structs.replace(
                     response, status=HandoffStatus.ACCEPTED, result=None, error=None, metadata={}
                 )
-            if self.decision is not None:
-                self.decided.set()
+            if self.decision is not None and self._decided is not None:
+                self._decided.set()
         if self.outcome is None and response.status in TERMINAL:
             self.outcome = response
-            self.finished.set()
+            if self._finished is not None:
+                self._finished.set()
 
     def feed_record(self, record: HandoffRecord) -> None:
         if record.status is HandoffStatus.PENDING:
