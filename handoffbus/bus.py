@@ -114,7 +114,7 @@ class HandoffBus:
             if self._owns_client:
                 stack.push_async_callback(self._close_client)
             await self._check_server()
-            await self.scripts.load(self.redis)
+            await self.scripts.load_all(self.redis)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             self._batcher = ScriptBatcher(self.redis)
             await self._tg.start(self._batcher.run)

@@ -36,6 +36,7 @@ SCRIPT_NAMES = (
     "take",
     "settle",
     "lease",
+    "load",
 )
 _INCLUDE = re.compile(r"^-- @include (\w+)$", re.MULTILINE)
 
@@ -91,7 +92,7 @@ class Scripts:
         script: Script = getattr(self, name)
         return script
 
-    async def load(self, redis: Any) -> None:
+    async def load_all(self, redis: Any) -> None:
         """SCRIPT LOAD every script, so the first calls of a burst do not all miss the cache."""
         async with redis.pipeline(transaction=False) as pipe:
             for script in self:
@@ -110,3 +111,4 @@ class Scripts:
     take: Script
     settle: Script
     lease: Script
+    load: Script

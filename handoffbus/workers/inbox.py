@@ -61,11 +61,14 @@ class Inbox:
         if not handoff_ids:
             return []
         bus = self._bus
-        async with bus.redis.pipeline(transaction=False) as pipe:
-            for handoff_id in handoff_ids:
-                requester, request_id = split_handoff_id(handoff_id)
-                pipe.hmget(bus.keys.record(requester, request_id).record, [b"status", b"env"])
-            rows: list[Any] = await pipe.execute()
+        calls: list[tuple[str, list[str], list[Any]]] = []
+        for handoff_id in handoff_ids:
+            requester, request_id = split_handoff_id(handoff_id)
+            calls.append(("load", [bus.keys.record(requester, request_id).record], []))
+        rows: list[Any] = await bus.scripts_many(calls)
+        for row in rows:
+            if isinstance(row, BaseException):
+                raise row
         return [
             None if status is None else (HandoffStatus(status.decode()), bus.codec.loads(env, HandoffRequest))
             for status, env in rows
