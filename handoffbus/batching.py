@@ -13,6 +13,7 @@ yet answered fail with ``HandoffbusError`` instead of waiting forever.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -44,13 +45,18 @@ def _pack_evalsha(call: _Call) -> bytes:
 
 
 class _Group:
-    """The calls of one ``call_many``: one event for all of them (events are not free)."""
+    """The calls of one ``call_many``: one event for all of them.
+
+    An asyncio.Event: the bus runs on asyncio only (redis-py's asyncio client), and creating an
+    anyio.Event looks the backend up every time; waiting on it is cancelled by anyio's cancel
+    scopes all the same.
+    """
 
     __slots__ = ("done", "pending")
 
     def __init__(self, size: int) -> None:
         self.pending = size
-        self.done = anyio.Event()
+        self.done = asyncio.Event()
 
 
 class _Call:
@@ -153,10 +159,13 @@ class ScriptBatcher:
         conn = await pool.get_connection()
         try:
             await conn.send_packed_command(data, check_health=False)
+            # the parser itself, when it has one: redis-py's per-reply wrapper (timeouts, host
+            # bookkeeping) costs more than the reply; hiredis hands error replies back as values
+            read = getattr(getattr(conn, "_parser", None), "read_response", None) or conn.read_response
             replies = []
             for _ in batch:
                 try:
-                    replies.append(await conn.read_response())
+                    replies.append(await read())
                 except ResponseError as exc:  # an error reply answers its own call only
                     replies.append(exc)
         except BaseException:

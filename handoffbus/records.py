@@ -44,7 +44,7 @@ def response_from_fields(handoff_id: str, f: Mapping[bytes, bytes], codec: Paylo
             result=None if result is None else codec.loads_value(result),
             error=_text(f.get(b"error")),
             metadata={} if meta is None else codec.loads_value(meta),
-            timestamp_ms=int(f.get(b"ts", b"0")),
+            timestamp_ms=int(f.get(b"ts") or 0),
         )
     except (KeyError, ValueError) as exc:
         if isinstance(exc, DecodeError):
@@ -54,8 +54,7 @@ def response_from_fields(handoff_id: str, f: Mapping[bytes, bytes], codec: Paylo
 
 def response_from_reply(handoff_id: str, reply: Sequence[Any], codec: PayloadCodec) -> HandoffResponse:
     """Build a response from a transition script's reply (after its leading code)."""
-    fields = {name: value for name, value in zip(RESPONSE_FIELDS, reply, strict=False) if value is not None}
-    return response_from_fields(handoff_id, fields, codec)
+    return response_from_fields(handoff_id, dict(zip(RESPONSE_FIELDS, reply, strict=False)), codec)
 
 
 def record_from_hash(f: Mapping[bytes, bytes], codec: PayloadCodec) -> HandoffRecord:
