@@ -20,13 +20,52 @@ def main(argv: list[str] | None = None) -> int:
         "--redis-url", default=os.environ.get("HANDOFFBUS_REDIS_URL"),
         help="server to use (default: HANDOFFBUS_REDIS_URL, else a throwaway embedded server)",
     )
+    worker = commands.add_parser("worker", help="serve an Agent class (module:Class) until SIGTERM/SIGINT")
+    worker.add_argument("agent", help="the Agent subclass to serve, as module.path:ClassName")
+    worker.add_argument("--concurrency", type=int, default=8, help="handoffs handled at once (default 8)")
+    worker.add_argument("--grace", type=float, default=30.0, help="seconds to finish running handlers on stop")
+    worker.add_argument("--redis-url", default=None,
+                        help="server (default: HANDOFFBUS_REDIS_URL, then REDIS_URL)")
+    worker.add_argument("--prefix", default="hb", help="key prefix (default hb)")
     args = parser.parse_args(argv)
+    if args.command == "worker":
+        return _worker(args, parser)
     if args.command == "demo":
         from .demo import run
 
         good = anyio.run(run, args.redis_url)
         return 0 if good == 4 else 1
     return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+def _worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import importlib
+    import logging
+
+    from .bus import HandoffBus
+    from .workers import Agent, Worker
+
+    url = args.redis_url or os.environ.get("HANDOFFBUS_REDIS_URL") or os.environ.get("REDIS_URL")
+    if not url:
+        parser.error("a worker needs a shared server: give --redis-url, HANDOFFBUS_REDIS_URL or REDIS_URL")
+    module_name, _, class_name = args.agent.partition(":")
+    try:
+        agent_class = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        parser.error(f"cannot load {args.agent!r}: {exc}")
+    if not (isinstance(agent_class, type) and issubclass(agent_class, Agent)):
+        parser.error(f"{args.agent!r} is not an Agent subclass")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def serve() -> None:
+        async with HandoffBus.connect(url, prefix=args.prefix) as bus:
+            worker = Worker(bus, agent_class(), concurrency=args.concurrency, grace=args.grace)
+            print(f"worker {worker.consumer} serving {agent_class.agent_id}", flush=True)
+            await worker.serve_until_signalled()
+            print(f"worker {worker.consumer} drained: {dict(worker.handled)}", flush=True)
+
+    anyio.run(serve)
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,249 @@
+"""Worker: serves one Agent from its inbox until told to stop.
+
+One task group: a fetch loop that takes only as many handoffs as there is free
+concurrency, and one task per handoff (acceptance hook, then the work). Settling rides on
+the next ``take``. Stopping is two-phase: ``drain()`` stops fetching and lets running
+handlers finish within the grace period; what is still running then is cancelled and stays
+in the consumer group's pending list, where it is not lost. A second stop request cancels
+at once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import signal
+import socket
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from anyio.abc import TaskStatus
+from redis.exceptions import RedisError
+
+from ..errors import InvalidRequest, InvalidTransition
+from ..models import HandoffRequest, HandoffStatus
+from ..names import check_name
+from .agent import Accept, Agent, AgentState, ReceivedHandoff, Reject
+from .inbox import Delivery, Inbox
+
+if TYPE_CHECKING:
+    from ..bus import HandoffBus
+
+__all__ = ["Worker"]
+
+log = logging.getLogger("handoffbus")
+
+
+def default_consumer_name() -> str:
+    host = "".join(c if c.isalnum() or c in "-." else "-" for c in socket.gethostname())[:60] or "host"
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+async def _call(hook: Callable[..., Any], arg: Any) -> Any:
+    """Await an async hook; run a plain one in a worker thread so it cannot block the loop."""
+    if inspect.iscoroutinefunction(hook):
+        return await hook(arg)
+    return await anyio.to_thread.run_sync(hook, arg)
+
+
+class Worker:
+    def __init__(
+        self,
+        bus: HandoffBus,
+        agent: Agent,
+        *,
+        concurrency: int = 8,
+        consumer: str | None = None,
+        block: float = 1.0,
+        grace: float = 30.0,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self.bus = bus
+        self.agent = agent
+        self.concurrency = concurrency
+        self.consumer = consumer or default_consumer_name()
+        self.grace = grace
+        self._block_ms = int(block * 1000)
+        self._inbox = Inbox(bus, agent.agent_id, self.consumer)
+        self._client = bus.client(agent.agent_id)
+        self._done: list[str] = []
+        self._give_back: list[tuple[str, int]] = []  # stopped before accepting: back to the queue
+        self._active = 0
+        self._changed = anyio.Event()  # a handler finished, or drain was asked for
+        self._draining = False
+        self._fetch_scope: anyio.CancelScope | None = None
+        self._stop_scope: anyio.CancelScope | None = None
+        #: handoffs this worker decided or finished, by final status (for operators and tests)
+        self.handled: dict[HandoffStatus, int] = {}
+        #: the worker's load state, for the registry and routing: BUSY at its concurrency limit,
+        #: DRAINING once stopping. The agent's own ``state`` is the agent's to set; a handoff
+        #: the worker fetched always has a free slot, so it is never refused for being busy.
+        self.state = AgentState.RUNNABLE
+
+    # ------------------------------------------------------------------ control
+
+    def drain(self) -> None:
+        """Stop fetching; running handlers get ``grace`` seconds. Called twice: stop at once."""
+        if self._draining:
+            if self._stop_scope is not None:
+                self._stop_scope.cancel()
+            return
+        self._draining = True
+        self.state = AgentState.DRAINING
+        if self._fetch_scope is not None:
+            self._fetch_scope.cancel()
+        self._changed.set()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve until ``drain()`` (or cancellation); returns when drained."""
+        try:
+            with anyio.CancelScope() as self._stop_scope:
+                async with anyio.create_task_group() as handlers:
+                    task_status.started()
+                    await self._fetch_loop(handlers)
+                    with anyio.move_on_after(self.grace):
+                        while self._active:
+                            await self._wait_change()
+                    handlers.cancel_scope.cancel()  # what did not finish stays pending: not lost
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._settle_done()
+                await self._hand_back()
+
+    async def serve_until_signalled(self) -> None:
+        """``run()`` with SIGTERM/SIGINT handling: the first drains, the second stops at once."""
+        async with anyio.create_task_group() as tg:
+
+            async def on_signals() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        log.info("%s: received %s, draining", self.consumer, signal.Signals(signum).name)
+                        self.drain()
+
+            tg.start_soon(on_signals)
+            await self.run()
+            tg.cancel_scope.cancel()
+
+    # ------------------------------------------------------------------ loop
+
+    async def _wait_change(self) -> None:
+        await self._changed.wait()
+        self._changed = anyio.Event()
+
+    async def _settle_done(self) -> None:
+        if self._done:
+            done, self._done = self._done, []
+            try:
+                await self._inbox.take(0, settle=done)
+            except (RedisError, OSError) as exc:
+                log.warning("%s: could not settle %d handoffs (%s); they stay pending", self.consumer, len(done), exc)
+
+    async def _hand_back(self) -> None:
+        """Re-queue handoffs stopped while their acceptance hook ran: others take them now."""
+        for hid, priority in self._give_back:
+            try:
+                await self._inbox.settle([hid])
+                await self.bus.enqueue(self.agent.agent_id, hid, priority)
+            except (RedisError, OSError) as exc:
+                log.warning("%s: could not hand %s back (%s); it stays pending", self.consumer, hid, exc)
+        self._give_back.clear()
+
+    async def _fetch_loop(self, handlers: anyio.abc.TaskGroup) -> None:
+        backoff = 0.05
+        while not self._draining:
+            free = self.concurrency - self._active
+            if free <= 0:
+                self.state = AgentState.BUSY
+                await self._wait_change()  # never fetch more than there is room for
+                continue
+            if self.state is AgentState.BUSY:
+                self.state = AgentState.RUNNABLE
+            done, self._done = self._done, []
+            try:
+                bell, taken = await self._inbox.take(free, settle=done)
+                if not taken:
+                    with anyio.CancelScope() as self._fetch_scope:
+                        await self._inbox.wait(bell, self._block_ms)
+                    continue
+                loaded = await self._inbox.load([d.handoff_id for d in taken])
+            except (RedisError, OSError) as exc:
+                self._done = done + self._done  # settle them next time
+                log.warning("%s: Redis unavailable (%s); retrying in %.2fs", self.consumer, exc, backoff)
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.05
+            for delivery, row in zip(taken, loaded, strict=True):
+                self._active += 1
+                handlers.start_soon(self._handle, delivery, row)
+
+    async def _handle(self, delivery: Delivery, row: tuple[HandoffStatus, HandoffRequest] | None) -> None:
+        hid = delivery.handoff_id
+        # what becomes of the delivery when this handler ends
+        after = "settle"
+        try:
+            if row is None or row[0] is not HandoffStatus.PENDING:
+                return  # decided elsewhere, expired or gone: only settle it
+            request = row[1]
+            after = "give back"  # nothing sent yet: a stop now hands it back to the queue
+            decision = await self._decide(hid, request)
+            after = "keep pending"  # from here a stop leaves it pending, to be reclaimed
+            status = await self._act(hid, request, decision)
+            self.handled[status] = self.handled.get(status, 0) + 1
+            after = "settle"
+        except InvalidTransition:
+            after = "settle"  # cancelled or expired meanwhile
+        except Exception:
+            log.exception("%s: handling %s failed; it stays pending", self.consumer, hid)
+            after = "keep pending"
+        finally:
+            self._active -= 1
+            if after == "settle":
+                self._done.append(hid)
+            elif after == "give back" and row is not None:
+                self._give_back.append((hid, row[1].priority))
+            self._changed.set()
+
+    async def _decide(self, hid: str, request: HandoffRequest) -> Accept | Reject:
+        try:
+            decision = await _call(self.agent.on_handoff_request, request)
+        except Exception as exc:
+            log.exception("%s: acceptance hook failed for %s", self.consumer, hid)
+            return Reject(reason=f"acceptance hook failed: {type(exc).__name__}: {exc}", code="HOOK_FAILED")
+        if not isinstance(decision, Accept | Reject):
+            return Reject(reason=f"acceptance hook returned {type(decision).__name__}", code="HOOK_FAILED")
+        if isinstance(decision, Reject):
+            try:
+                check_name(decision.code, "rejection code") if decision.code is not None else None
+                check_name(decision.redirect_to, "agent id") if decision.redirect_to is not None else None
+                if decision.retry_after_ms is not None and (
+                    type(decision.retry_after_ms) is not int or decision.retry_after_ms < 0
+                ):
+                    raise InvalidRequest("retry_after_ms must be a non-negative int")
+            except InvalidRequest as exc:
+                return Reject(reason=f"acceptance hook returned an invalid Reject: {exc}", code="HOOK_FAILED")
+        return decision
+
+    async def _act(self, hid: str, request: HandoffRequest, decision: Accept | Reject) -> HandoffStatus:
+        client, codec = self._client, self.bus.codec
+        if isinstance(decision, Reject):
+            await client._transition("reject", hid, {
+                "reason": decision.reason, "code": decision.code, "retry": decision.retry_after_ms,
+                "redirect": decision.redirect_to,
+            }, settle=False)
+            return HandoffStatus.REJECTED
+        meta = codec.dumps_value(decision.metadata) if decision.metadata else None
+        await client._transition("accept", hid, {"rmeta": meta}, settle=False)
+        try:
+            result = await _call(self.agent.on_handoff_received, ReceivedHandoff.of(hid, request))
+        except Exception as exc:
+            log.exception("%s: handler failed for %s", self.consumer, hid)
+            await client._transition("fail", hid, {"error": f"{type(exc).__name__}: {exc}"}, settle=False)
+            return HandoffStatus.FAILED
+        packed = None if result is None else codec.dumps_value(result)
+        await client._transition("complete", hid, {"result": packed}, settle=False)
+        return HandoffStatus.COMPLETED

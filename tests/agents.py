@@ -1,0 +1,93 @@
+"""Agents used by the worker tests (importable by worker subprocesses as tests.agents:Name)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import anyio
+
+from handoffbus import HandoffRequest
+from handoffbus.workers import Accept, Agent, ReceivedHandoff, Reject
+
+
+class Echo(Agent):
+    agent_id = "echo-1"
+    capabilities = ["echo"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list[str] = []
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        self.order.append(handoff.handoff_id)
+        history = handoff.context.conversation_history if handoff.context else []
+        return {"echo": handoff.request.reason, "messages": len(history), "attempt": handoff.attempt}
+
+
+class SlowEcho(Echo):
+    """Works for a while, so that a stop lands while handoffs are in its hands."""
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        await anyio.sleep(0.3)  # simulated work, not synchronisation
+        return await super().on_handoff_received(handoff)
+
+
+class SyncEcho(Agent):
+    agent_id = "sync-1"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: set[int] = set()
+
+    def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+        self.threads.add(threading.get_ident())
+        return Accept(metadata={"by": "sync"})
+
+    def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        self.threads.add(threading.get_ident())
+        return handoff.request.reason.upper()
+
+
+class Gated(Agent):
+    """Holds every handoff until ``gate`` opens; counts how many it holds."""
+
+    agent_id = "gated-1"
+
+    def __init__(self, hold_in_acceptance: bool = False) -> None:
+        super().__init__()
+        self.gate = anyio.Event()
+        self.holding = 0
+        self.reached: anyio.Event = anyio.Event()
+        self.want = 0
+        self.hold_in_acceptance = hold_in_acceptance
+
+    async def _hold(self) -> None:
+        self.holding += 1
+        if self.holding >= self.want:
+            self.reached.set()
+        await self.gate.wait()
+
+    async def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+        if self.hold_in_acceptance:
+            await self._hold()
+        return Accept()
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        if not self.hold_in_acceptance:
+            await self._hold()
+        return "done"
+
+
+class Faulty(Agent):
+    agent_id = "faulty-1"
+
+    async def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+        if request.reason == "explode in acceptance":
+            raise RuntimeError("acceptance bug")
+        if request.reason == "bad reject":
+            return Reject(reason="no", code="not a valid code")
+        return Accept()
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        raise ValueError("the tool crashed")

@@ -1,0 +1,181 @@
+"""Workers in process: hooks, priority order, backpressure, failures, graceful drain."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import pytest
+
+from handoffbus import (
+    ConversationEntry,
+    HandoffBus,
+    HandoffContext,
+    HandoffRequest,
+    HandoffStatus,
+    serialize_context,
+)
+from handoffbus.workers import Agent, AgentState, Reject, Worker
+
+from .agents import Echo, Faulty, Gated, SyncEcho
+from .helpers import req, response_statuses
+
+pytestmark = pytest.mark.anyio
+S = HandoffStatus
+
+
+async def test_a_worker_serves_requests_in_priority_order(bus: HandoffBus) -> None:
+    client = bus.client("req")
+    ctx = serialize_context(HandoffContext(conversation_history=[ConversationEntry(role="user", content="hi")]))
+    priorities = [5, 1, 9, 1, 0, 5, 3]
+    handles = [
+        await client.request_handoff(req("req", "echo-1", priority=p, reason=f"r{i}", context_snapshot=ctx))
+        for i, p in enumerate(priorities)
+    ]
+    agent = Echo()
+    async with anyio.create_task_group() as tg:
+        worker = Worker(bus, agent, concurrency=1)
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            outcomes = [await h.outcome() for h in handles]
+        worker.drain()
+    expected = [handles[i].handoff_id for i in sorted(range(len(priorities)), key=lambda i: (priorities[i], i))]
+    assert agent.order == expected
+    assert [o.status for o in outcomes] == [S.COMPLETED] * len(handles)
+    assert outcomes[1].result == {"echo": "r1", "messages": 1, "attempt": 1}
+    assert worker.handled == {S.COMPLETED: len(handles)}
+    inbox = bus.keys.target("echo-1").inbox
+    assert await bus.redis.xlen(inbox) == 0  # everything settled on the way out
+    for handle in handles:
+        assert await response_statuses(bus, "req", handle.handoff_id) == ["ACCEPTED", "COMPLETED"]
+
+
+async def test_default_acceptance_follows_sw4rm(bus: HandoffBus) -> None:
+    client = bus.client("req")
+    missing = await client.request_handoff(req("req", "echo-1", capabilities_required=["echo", "translation"]))
+    async with anyio.create_task_group() as tg:
+        worker = Worker(bus, Echo())
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            decision = await missing.decision()
+        worker.drain()
+    assert decision.status is S.REJECTED and decision.rejection_code == "CAPABILITY_MISSING"
+    assert decision.rejection_reason == "missing capability: translation"
+    draining = Echo()
+    draining.state = AgentState.DRAINING
+    refused = draining.on_handoff_request(HandoffRequest(from_agent="a", to_agent="echo-1"))
+    assert isinstance(refused, Reject) and refused.code == "AGENT_NOT_RUNNABLE"
+
+
+async def test_plain_function_hooks_run_off_the_event_loop(bus: HandoffBus) -> None:
+    handle = await bus.client("req").request_handoff(req("req", "sync-1", reason="shout"))
+    agent = SyncEcho()
+    async with anyio.create_task_group() as tg:
+        worker = Worker(bus, agent)
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            decision, outcome = await handle.decision(), await handle.outcome()
+        worker.drain()
+    assert decision.metadata == {"by": "sync"} and outcome.result == "SHOUT"
+    assert agent.threads and threading.get_ident() not in agent.threads
+
+
+async def test_failures_are_reported_not_fatal(bus: HandoffBus) -> None:
+    client = bus.client("req")
+    crash = await client.request_handoff(req("req", "faulty-1", reason="work"))
+    bad_hook = await client.request_handoff(req("req", "faulty-1", reason="explode in acceptance"))
+    bad_reject = await client.request_handoff(req("req", "faulty-1", reason="bad reject"))
+    async with anyio.create_task_group() as tg:
+        worker = Worker(bus, Faulty())
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            crashed, refused, invalid = await crash.outcome(), await bad_hook.outcome(), await bad_reject.outcome()
+        worker.drain()
+    assert crashed.status is S.FAILED and crashed.error == "ValueError: the tool crashed"
+    assert refused.status is S.REJECTED and refused.rejection_code == "HOOK_FAILED"
+    assert "RuntimeError: acceptance bug" in (refused.rejection_reason or "")
+    assert invalid.status is S.REJECTED and invalid.rejection_code == "HOOK_FAILED"
+
+
+async def test_never_fetches_more_than_free_concurrency(bus: HandoffBus) -> None:
+    client = bus.client("req")
+    handles = [await client.request_handoff(req("req", "gated-1")) for _ in range(10)]
+    agent = Gated()
+    agent.want = 2
+    keys = bus.keys.target("gated-1")
+    async with anyio.create_task_group() as tg:
+        worker = Worker(bus, agent, concurrency=2)
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            await agent.reached.wait()
+        assert (await bus.redis.xpending(keys.inbox, "workers"))["pending"] == 2
+        assert await bus.redis.zcard(keys.queue) == 8
+        assert worker.state is AgentState.BUSY
+        agent.gate.set()
+        with anyio.fail_after(10):
+            outcomes = [await h.outcome() for h in handles]
+        worker.drain()
+    assert all(o.status is S.COMPLETED for o in outcomes) and agent.holding == 10
+
+
+async def test_drain_finishes_running_work_and_leaves_the_rest_queued(bus: HandoffBus) -> None:
+    client = bus.client("req")
+    handles = [await client.request_handoff(req("req", "gated-1")) for _ in range(6)]
+    agent = Gated()
+    agent.want = 2
+    worker = Worker(bus, agent, concurrency=2)
+    async with anyio.create_task_group() as tg:
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            await agent.reached.wait()
+        worker.drain()
+        assert worker.state is AgentState.DRAINING
+        agent.gate.set()  # the two running handlers finish within the grace period
+    assert worker.handled == {S.COMPLETED: 2}
+    assert await bus.redis.zcard(bus.keys.target("gated-1").queue) == 4  # not fetched, not lost
+    async with anyio.create_task_group() as tg:
+        second = Worker(bus, _open_gated(), concurrency=4)
+        await tg.start(second.run)
+        with anyio.fail_after(10):
+            outcomes = [await h.outcome() for h in handles]
+        second.drain()
+    assert all(o.status is S.COMPLETED for o in outcomes)
+
+
+def _open_gated() -> Gated:
+    agent = Gated()
+    agent.gate.set()
+    return agent
+
+
+async def test_drain_hands_back_what_is_still_being_decided(bus: HandoffBus) -> None:
+    client = bus.client("req")
+    handles = [await client.request_handoff(req("req", "gated-1")) for _ in range(3)]
+    stuck = Gated(hold_in_acceptance=True)  # its gate never opens
+    stuck.want = 3
+    worker = Worker(bus, stuck, concurrency=3, grace=0.05)
+    async with anyio.create_task_group() as tg:
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            await stuck.reached.wait()
+        worker.drain()
+    keys = bus.keys.target("gated-1")
+    assert await bus.redis.zcard(keys.queue) == 3  # handed back to the queue
+    assert (await bus.redis.xpending(keys.inbox, "workers"))["pending"] == 0
+    async with anyio.create_task_group() as tg:
+        second = Worker(bus, _open_gated())
+        await tg.start(second.run)
+        with anyio.fail_after(10):
+            outcomes = [await h.outcome() for h in handles]
+        second.drain()
+    assert all(o.status is S.COMPLETED for o in outcomes)
+    for handle in handles:
+        assert await response_statuses(bus, "req", handle.handoff_id) == ["ACCEPTED", "COMPLETED"]
+
+
+def test_an_agent_must_implement_its_work() -> None:
+    class Lazy(Agent):
+        agent_id = "lazy"
+
+    with pytest.raises(NotImplementedError):
+        Lazy().on_handoff_received(None)  # type: ignore[arg-type]
