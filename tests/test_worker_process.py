@@ -1,0 +1,90 @@
+"""`handoffbus worker` as a real process: serving, draining on SIGTERM, usage errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+from handoffbus import HandoffStatus
+from handoffbus.workers import Worker
+
+from .agents import Echo
+from .conftest import make_bus
+from .helpers import req, response_statuses
+
+pytestmark = pytest.mark.anyio
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def test_sigterm_drains_and_nothing_is_lost(real_backend: str, servers: dict) -> None:
+    bus = make_bus(real_backend, servers)
+    url, prefix = servers[real_backend].url, bus.config.prefix
+    process = await anyio.open_process(
+        [sys.executable, "-m", "handoffbus", "worker", "tests.agents:SlowEcho", "--redis-url", url,
+         "--prefix", prefix, "--concurrency", "4"],
+        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    async with bus:
+        assert process.stdout is not None
+        with anyio.fail_after(30):
+            banner = await process.stdout.receive()  # "worker <name> serving echo-1"
+        assert b"serving echo-1" in banner
+        client = bus.client("req")
+        handles = [await client.request_handoff(req("req", "echo-1", reason=f"r{i}")) for i in range(20)]
+        with anyio.fail_after(30):
+            first = await handles[0].decision()  # the process is working now
+        assert first.status is HandoffStatus.ACCEPTED
+        process.send_signal(signal.SIGTERM)
+        with anyio.fail_after(30):
+            code = await process.wait()
+        assert code == 0
+        # what the process did not take is still queued; another worker finishes it
+        async with anyio.create_task_group() as tg:
+            worker = Worker(bus, Echo(), concurrency=8)
+            await tg.start(worker.run)
+            with anyio.fail_after(30):
+                outcomes = [await h.outcome() for h in handles]
+            worker.drain()
+        assert all(o.status is HandoffStatus.COMPLETED for o in outcomes)
+        for handle in handles:
+            assert await response_statuses(bus, "req", handle.handoff_id) == ["ACCEPTED", "COMPLETED"]
+        pending = await bus.redis.xpending(bus.keys.target("echo-1").inbox, "workers")
+        assert pending["pending"] == 0
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "HANDOFFBUS_REDIS_URL")}
+    return subprocess.run([sys.executable, "-m", "handoffbus", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={**clean, **(env or {})}, check=False)
+
+
+def test_worker_usage_errors_exit_2() -> None:
+    no_url = run_cli("worker", "tests.agents:Echo")
+    assert no_url.returncode == 2 and "needs a shared server" in no_url.stderr
+    missing = run_cli("worker", "tests.agents:Nope", env={"REDIS_URL": "redis://127.0.0.1:1/0"})
+    assert missing.returncode == 2 and "cannot load" in missing.stderr
+    not_agent = run_cli("worker", "tests.helpers:req", env={"REDIS_URL": "redis://127.0.0.1:1/0"})
+    assert not_agent.returncode == 2 and "not an Agent subclass" in not_agent.stderr
+
+
+async def test_worker_serves_from_the_environment_url(real_backend: str, servers: dict) -> None:
+    async with make_bus(real_backend, servers) as bus:
+        env = {**os.environ, "HANDOFFBUS_REDIS_URL": servers[real_backend].url, "PYTHONUNBUFFERED": "1"}
+        process = await anyio.open_process(
+            [sys.executable, "-m", "handoffbus", "worker", "tests.agents:Echo", "--prefix", bus.config.prefix],
+            cwd=ROOT, env=env,
+        )
+        try:
+            handle = await bus.client("req").request_handoff(req("req", "echo-1", reason="env"))
+            with anyio.fail_after(30):
+                assert (await handle.outcome()).result == {"echo": "env", "messages": 0, "attempt": 1}
+        finally:
+            process.send_signal(signal.SIGINT)
+            with anyio.fail_after(30):
+                assert await process.wait() == 0
