@@ -22,6 +22,7 @@ from .errors import HandoffNotFound as HandoffNotFound
 from .errors import InvalidName as InvalidName
 from .errors import InvalidRequest as InvalidRequest
 from .errors import InvalidTransition as InvalidTransition
+from .errors import LeaseLost as LeaseLost
 from .errors import NotPermitted as NotPermitted
 from .errors import PayloadTooLarge as PayloadTooLarge
 from .errors import RequestConflict as RequestConflict
@@ -55,6 +56,7 @@ __all__ = [
     "InvalidName",
     "InvalidRequest",
     "InvalidTransition",
+    "LeaseLost",
     "NotPermitted",
     "PayloadCodec",
     "PayloadTooLarge",

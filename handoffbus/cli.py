@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("agent", help="the Agent subclass to serve, as module.path:ClassName")
     worker.add_argument("--concurrency", type=int, default=8, help="handoffs handled at once (default 8)")
     worker.add_argument("--grace", type=float, default=30.0, help="seconds to finish running handlers on stop")
+    worker.add_argument("--reclaim-idle", type=float, default=30.0,
+                        help="seconds after which work left idle by a dead worker is taken over (default 30)")
     worker.add_argument("--redis-url", default=None,
                         help="server (default: HANDOFFBUS_REDIS_URL, then REDIS_URL)")
     worker.add_argument("--prefix", default="hb", help="key prefix (default hb)")
@@ -59,7 +61,8 @@ def _worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     async def serve() -> None:
         async with HandoffBus.connect(url, prefix=args.prefix) as bus:
-            worker = Worker(bus, agent_class(), concurrency=args.concurrency, grace=args.grace)
+            worker = Worker(bus, agent_class(), concurrency=args.concurrency, grace=args.grace,
+                            reclaim_idle=args.reclaim_idle)
             print(f"worker {worker.consumer} serving {agent_class.agent_id}", flush=True)
             await worker.serve_until_signalled()
             print(f"worker {worker.consumer} drained: {dict(worker.handled)}", flush=True)

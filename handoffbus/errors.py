@@ -13,6 +13,7 @@ __all__ = [
     "InvalidName",
     "InvalidRequest",
     "InvalidTransition",
+    "LeaseLost",
     "NotPermitted",
     "PayloadTooLarge",
     "RequestConflict",
@@ -80,6 +81,15 @@ class NotPermitted(HandoffbusError, PermissionError):
         self.attempted = attempted
 
 
+class LeaseLost(HandoffbusError):
+    """The handoff's lease is held by another consumer: its work was reclaimed from this one."""
+
+    def __init__(self, handoff_id: str, holder: str) -> None:
+        super().__init__(f"handoff {handoff_id!r} is now held by {holder or 'no worker'!r}")
+        self.handoff_id = handoff_id
+        self.holder = holder
+
+
 class RequestConflict(HandoffbusError):
     """A request id was reused with different content."""
 
@@ -98,6 +108,7 @@ INVALID_TRANSITION = -2
 EXPIRED = -3
 NOT_PERMITTED = -4
 CONFLICT = -5
+LEASE_LOST = -6
 
 
 def raise_for_code(code: int, handoff_id: str, actor: str, attempted: str, detail: bytes | None) -> NoReturn:
@@ -112,4 +123,6 @@ def raise_for_code(code: int, handoff_id: str, actor: str, attempted: str, detai
         raise NotPermitted(handoff_id, actor, attempted)
     if code == CONFLICT:
         raise RequestConflict(handoff_id)
+    if code == LEASE_LOST:
+        raise LeaseLost(handoff_id, (detail or b"").decode())
     raise HandoffbusError(f"unexpected script code {code} for {attempted} on {handoff_id!r}")

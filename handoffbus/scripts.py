@@ -37,6 +37,7 @@ SCRIPT_NAMES = (
     "settle",
     "lease",
     "load",
+    "reclaim",
 )
 _INCLUDE = re.compile(r"^-- @include (\w+)$", re.MULTILINE)
 
@@ -112,3 +113,4 @@ class Scripts:
     settle: Script
     lease: Script
     load: Script
+    reclaim: Script

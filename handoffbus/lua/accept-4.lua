@@ -4,7 +4,8 @@
   KEYS[1] record hash   KEYS[2] pending marker   KEYS[3] deadline index   KEYS[4] response stream
   ARGV[1] handoff id    ARGV[2] request id       ARGV[3] acting agent
   ARGV[4] record retention ms     ARGV[5] response stream retention ms
-  ARGV[6..] response field/value pairs (rmeta)
+  ARGV[6..] response field/value pairs (rmeta; 'lease' = the accepting consumer, whose
+            complete or fail alone will then be taken)
 
   Allowed from: PENDING.   Who: the to_agent (any agent while to_agent is empty: capability routing).
   Returns:

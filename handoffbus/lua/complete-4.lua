@@ -14,6 +14,7 @@
     {-1} no such handoff   {-2, current status} invalid transition
     {-3, to agent} the acceptance deadline passed (the record is now EXPIRED and EXPIRED was emitted)
     {-4} the acting agent may not make this transition
+    {-6, holder} the handoff's lease is held by another consumer (pass 'lease' to finish it)
   Events: one entry on KEYS[4]: id, status, actor, ts and the response fields.
 ]]
 -- @include record

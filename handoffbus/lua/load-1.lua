@@ -4,6 +4,7 @@
 
   KEYS[1] record hash   <p>:{R}:h:<request_id>
 
-  Returns {status, encoded request}; both false (nil) when the record is gone.
+  Returns {status, encoded request, owning agent, attempt}; all false (nil) when the record
+  is gone.
 ]]
-return redis.call('HMGET', KEYS[1], 'status', 'env')
+return redis.call('HMGET', KEYS[1], 'status', 'env', 'agent', 'attempt')

@@ -9,7 +9,7 @@ next ``take``, so a busy worker spends no extra round trip on it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
@@ -20,7 +20,7 @@ from ..names import check_name, split_handoff_id
 if TYPE_CHECKING:
     from ..bus import HandoffBus
 
-__all__ = ["Delivery", "Inbox"]
+__all__ = ["Delivery", "Inbox", "Loaded"]
 
 
 class Delivery(msgspec.Struct, frozen=True, kw_only=True):
@@ -28,6 +28,15 @@ class Delivery(msgspec.Struct, frozen=True, kw_only=True):
 
     handoff_id: str
     entry_id: str
+
+
+class Loaded(NamedTuple):
+    """A taken handoff's record: status, request, the agent that accepted it, its attempt."""
+
+    status: HandoffStatus
+    request: HandoffRequest
+    agent: str | None
+    attempt: int
 
 
 class Inbox:
@@ -56,8 +65,8 @@ class Inbox:
     async def settle(self, handoff_ids: Sequence[str]) -> int:
         return await self._bus.settle(self.agent, list(handoff_ids))
 
-    async def load(self, handoff_ids: Sequence[str]) -> list[tuple[HandoffStatus, HandoffRequest] | None]:
-        """Status and request of each handoff (None where the record is gone), in one round trip."""
+    async def load(self, handoff_ids: Sequence[str]) -> list[Loaded | None]:
+        """What each taken handoff's record says (None where it is gone), in one round trip."""
         if not handoff_ids:
             return []
         bus = self._bus
@@ -70,6 +79,9 @@ class Inbox:
             if isinstance(row, BaseException):
                 raise row
         return [
-            None if status is None else (HandoffStatus(status.decode()), bus.codec.loads(env, HandoffRequest))
-            for status, env in rows
+            None if status is None else Loaded(
+                HandoffStatus(status.decode()), bus.codec.loads(env, HandoffRequest),
+                agent.decode() if agent else None, int(attempt or 0),
+            )
+            for status, env, agent, attempt in rows
         ]

@@ -23,11 +23,12 @@ import anyio
 from anyio.abc import TaskStatus
 from redis.exceptions import RedisError
 
-from ..errors import InvalidRequest, InvalidTransition
-from ..models import HandoffRequest, HandoffStatus
-from ..names import check_name
+from ..errors import InvalidRequest, InvalidTransition, LeaseLost, raise_for_code
+from ..keys import GROUP
+from ..models import TERMINAL, HandoffRequest, HandoffStatus
+from ..names import check_name, split_handoff_id
 from .agent import Accept, Agent, AgentState, ReceivedHandoff, Reject
-from .inbox import Delivery, Inbox
+from .inbox import Delivery, Inbox, Loaded
 
 if TYPE_CHECKING:
     from ..bus import HandoffBus
@@ -59,6 +60,7 @@ class Worker:
         consumer: str | None = None,
         block: float = 1.0,
         grace: float = 30.0,
+        reclaim_idle: float = 30.0,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -67,8 +69,13 @@ class Worker:
         self.concurrency = concurrency
         self.consumer = consumer or default_consumer_name()
         self.grace = grace
+        #: a handoff whose inbox entry sits idle this long (its worker died or froze) is taken
+        #: over by a live worker of the agent; running handlers send heartbeats well within it
+        self.reclaim_idle = reclaim_idle
         self._block_ms = int(block * 1000)
+        self._entries: dict[str, str] = {}  # handoff id -> inbox entry of every running handler
         self._inbox = Inbox(bus, agent.agent_id, self.consumer)
+        self._inbox_key = bus.keys.target(agent.agent_id).inbox
         self._client = bus.client(agent.agent_id)
         self._done: list[str] = []
         self._give_back: list[tuple[str, int]] = []  # stopped before accepting: back to the queue
@@ -103,6 +110,8 @@ class Worker:
         try:
             with anyio.CancelScope() as self._stop_scope:
                 async with anyio.create_task_group() as handlers:
+                    handlers.start_soon(self._heartbeat_loop)
+                    handlers.start_soon(self._reclaim_loop, handlers)
                     task_status.started()
                     await self._fetch_loop(handlers)
                     with anyio.move_on_after(self.grace):
@@ -152,6 +161,42 @@ class Worker:
                 log.warning("%s: could not hand %s back (%s); it stays pending", self.consumer, hid, exc)
         self._give_back.clear()
 
+    async def _heartbeat_loop(self) -> None:
+        """Keep the inbox entries of running handlers fresh, so a long handler is never reclaimed."""
+        while True:
+            await anyio.sleep(self.reclaim_idle / 3)  # a timer: beats three times per idle period
+            entries = list(self._entries.values())
+            if entries:
+                try:
+                    await self.bus.redis.xclaim(
+                        self._inbox_key, GROUP, self.consumer, 0, entries, justid=True
+                    )
+                except (RedisError, OSError) as exc:
+                    log.warning("%s: heartbeat failed (%s)", self.consumer, exc)
+
+    async def _reclaim_loop(self, handlers: anyio.abc.TaskGroup) -> None:
+        """Take over entries other consumers of this agent left idle (they died or froze)."""
+        cursor: bytes | str = "0-0"
+        while not self._draining:
+            await anyio.sleep(self.reclaim_idle / 2)  # a timer: idle entries are looked for twice per period
+            free = self.concurrency - self._active
+            if free <= 0 or self._draining:
+                continue
+            try:
+                reply = await self.bus.redis.xautoclaim(
+                    self._inbox_key, GROUP, self.consumer, int(self.reclaim_idle * 1000), cursor, count=free
+                )
+                cursor, claimed = reply[0], reply[1]
+                taken = [Delivery(handoff_id=f[b"h"].decode(), entry_id=eid.decode()) for eid, f in claimed if f]
+                loaded = await self._inbox.load([d.handoff_id for d in taken])
+            except (RedisError, OSError) as exc:
+                log.warning("%s: reclaim failed (%s)", self.consumer, exc)
+                continue
+            for delivery, row in zip(taken, loaded, strict=True):
+                log.info("%s: reclaimed %s", self.consumer, delivery.handoff_id)
+                self._active += 1
+                handlers.start_soon(self._handle, delivery, row)
+
     async def _fetch_loop(self, handlers: anyio.abc.TaskGroup) -> None:
         backoff = 0.05
         while not self._draining:
@@ -181,32 +226,52 @@ class Worker:
                 self._active += 1
                 handlers.start_soon(self._handle, delivery, row)
 
-    async def _handle(self, delivery: Delivery, row: tuple[HandoffStatus, HandoffRequest] | None) -> None:
+    async def _handle(self, delivery: Delivery, row: Loaded | None) -> None:
         hid = delivery.handoff_id
         # what becomes of the delivery when this handler ends
         after = "settle"
+        self._entries[hid] = delivery.entry_id
         try:
-            if row is None or row[0] is not HandoffStatus.PENDING:
+            if row is None or row.status in TERMINAL:
                 return  # decided elsewhere, expired or gone: only settle it
-            request = row[1]
-            after = "give back"  # nothing sent yet: a stop now hands it back to the queue
-            decision = await self._decide(hid, request)
-            after = "keep pending"  # from here a stop leaves it pending, to be reclaimed
-            status = await self._act(hid, request, decision)
+            if row.status is HandoffStatus.ACCEPTED:
+                # accepted by a worker of this agent that stopped: carry on from there
+                attempt = await self._take_over(hid)
+                after = "keep pending"
+                status = await self._work(hid, row.request, attempt)
+            else:
+                after = "give back"  # nothing sent yet: a stop now hands it back to the queue
+                decision = await self._decide(hid, row.request)
+                after = "keep pending"  # from here a stop leaves it pending, to be reclaimed
+                status = await self._act(hid, row.request, decision)
             self.handled[status] = self.handled.get(status, 0) + 1
             after = "settle"
+        except LeaseLost:
+            log.info("%s: %s was taken over by another worker; dropping this attempt", self.consumer, hid)
+            after = "keep pending"  # its entry belongs to the new holder now
         except InvalidTransition:
-            after = "settle"  # cancelled or expired meanwhile
+            after = "settle"  # cancelled, expired or finished meanwhile
         except Exception:
             log.exception("%s: handling %s failed; it stays pending", self.consumer, hid)
             after = "keep pending"
         finally:
             self._active -= 1
+            self._entries.pop(hid, None)
             if after == "settle":
                 self._done.append(hid)
             elif after == "give back" and row is not None:
-                self._give_back.append((hid, row[1].priority))
+                self._give_back.append((hid, row.request.priority))
             self._changed.set()
+
+    async def _take_over(self, hid: str) -> int:
+        requester, request_id = split_handoff_id(hid)
+        reply = await self.bus.script(
+            "reclaim", self.bus.keys.record(requester, request_id).as_list(),
+            [hid, request_id, self.agent.agent_id, self.consumer],
+        )
+        if int(reply[0]) < 0:
+            raise_for_code(int(reply[0]), hid, self.agent.agent_id, "reclaim", reply[1] if len(reply) > 1 else None)
+        return int(reply[1])
 
     async def _decide(self, hid: str, request: HandoffRequest) -> Accept | Reject:
         try:
@@ -237,13 +302,19 @@ class Worker:
             }, settle=False)
             return HandoffStatus.REJECTED
         meta = codec.dumps_value(decision.metadata) if decision.metadata else None
-        await client._transition("accept", hid, {"rmeta": meta}, settle=False)
+        await client._transition("accept", hid, {"rmeta": meta, "lease": self.consumer}, settle=False)
+        return await self._work(hid, request, 1)
+
+    async def _work(self, hid: str, request: HandoffRequest, attempt: int) -> HandoffStatus:
+        """Run the work hook and record its outcome under this worker's lease."""
+        client, codec = self._client, self.bus.codec
         try:
-            result = await _call(self.agent.on_handoff_received, ReceivedHandoff.of(hid, request))
+            result = await _call(self.agent.on_handoff_received, ReceivedHandoff.of(hid, request, attempt))
         except Exception as exc:
             log.exception("%s: handler failed for %s", self.consumer, hid)
-            await client._transition("fail", hid, {"error": f"{type(exc).__name__}: {exc}"}, settle=False)
+            await client._transition("fail", hid, {"error": f"{type(exc).__name__}: {exc}", "lease": self.consumer},
+                                     settle=False)
             return HandoffStatus.FAILED
         packed = None if result is None else codec.dumps_value(result)
-        await client._transition("complete", hid, {"result": packed}, settle=False)
+        await client._transition("complete", hid, {"result": packed, "lease": self.consumer}, settle=False)
         return HandoffStatus.COMPLETED

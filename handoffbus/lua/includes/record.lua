@@ -109,18 +109,21 @@ end
     ARGV[4] record retention ms after a terminal status
     ARGV[5] response stream retention ms
     ARGV[6..] field/value pairs to store and send (reason, code, retry, redirect, result, error, rmeta)
-  Checks, in order: exists; expired (made EXPIRED now if due); the same actor repeating this
-  transition; the current status is one the transition may leave; the actor's right.
+  Checks, in order: exists; expired (made EXPIRED now if due); the same actor (with the same
+  lease) repeating this transition; the current status is one the transition may leave; the
+  actor's right; for complete and fail, the lease (field 'lease' in ARGV[6..]) against the
+  record's.
   `from` lists the statuses the transition may leave; `who` names who may make it:
   'target' (the to_agent, or anyone while to_agent is empty), 'owner' (the accepting agent),
   'requester' (the from_agent).
   Returns {1, to agent, <response>} done now, {0, to agent, <response>} the same actor already did it (nothing
-  emitted), or {-1} not found, {-2, status} invalid transition, {-3, to agent} expired, {-4} not permitted.
+  emitted), or {-1} not found, {-2, status} invalid transition, {-3, to agent} expired, {-4} not permitted,
+  {-6, holder} the lease is held by another consumer.
 ]]
 local function run_transition(status, from, who)
   local request_id, actor = ARGV[2], ARGV[3]
   local retention_ms, response_retention_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
-  local rec = read_record(KEYS[1], {'from', 'to', 'actor'})
+  local rec = read_record(KEYS[1], {'from', 'to', 'actor', 'lease'})
   local current = rec.status
   if not current then return {-1} end
   local to = rec.to
@@ -128,8 +131,14 @@ local function run_transition(status, from, who)
   if expire_if_due(KEYS, rec, request_id, now, retention_ms, response_retention_ms) then
     return {-3, to}
   end
+  local extra, lease = {}, ''
+  for i = 6, #ARGV, 2 do
+    if ARGV[i] == 'lease' then lease = ARGV[i + 1] end
+    extra[#extra + 1] = ARGV[i]
+    extra[#extra + 1] = ARGV[i + 1]
+  end
 
-  if current == status and rec.actor == actor then
+  if current == status and rec.actor == actor and (rec.lease or '') == lease then
     return {0, to, unpack(stored_response(KEYS[1]))}
   end
   -- the status decides first: anything on a terminal handoff is an invalid transition
@@ -146,12 +155,15 @@ local function run_transition(status, from, who)
     allowed = (rec.from == actor)
   end
   if not allowed then return {-4} end
+  -- a handoff accepted under a lease is finished only by the lease's holder (a worker that
+  -- was stopped while its work was reclaimed cannot write an outcome)
+  if who == 'owner' and (rec.lease or '') ~= lease then return {-6, rec.lease or ''} end
 
-  local extra = {}
-  for i = 6, #ARGV do extra[#extra + 1] = ARGV[i] end
   if status == 'ACCEPTED' then
     extra[#extra + 1] = 'agent'
     extra[#extra + 1] = actor
+    extra[#extra + 1] = 'attempt'
+    extra[#extra + 1] = '1'
   end
   return {1, to, unpack(transition(KEYS, rec, request_id, status, actor, now, extra, retention_ms,
     response_retention_ms))}
