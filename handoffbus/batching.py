@@ -169,10 +169,12 @@ class ScriptBatcher:
                 except ResponseError as exc:  # an error reply answers its own call only
                     replies.append(exc)
         except BaseException:
-            await conn.disconnect()  # the replies left on the wire belong to no one now
+            with anyio.CancelScope(shield=True):  # even when cancelled: never leak the socket
+                await conn.disconnect()  # the replies left on the wire belong to no one now
             raise
         finally:
-            await pool.release(conn)
+            with anyio.CancelScope(shield=True):
+                await pool.release(conn)
         return replies
 
     async def _send(self, batch: list[_Call]) -> None:

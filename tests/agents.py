@@ -91,3 +91,27 @@ class Faulty(Agent):
 
     async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
         raise ValueError("the tool crashed")
+
+
+class Sleepy(Agent):
+    """Works for a long time: the worker holding it is killed or frozen meanwhile."""
+
+    agent_id = "sleepy-1"
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        await anyio.sleep(float(handoff.request.metadata.get("work_s", 60)))  # simulated work
+        return {"attempt": handoff.attempt, "by": "sleepy"}
+
+
+class Quick(Agent):
+    """The same agent id as Sleepy, finishing at once: the live worker that takes over."""
+
+    agent_id = "sleepy-1"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, int]] = []
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        self.seen.append((handoff.handoff_id, handoff.attempt))
+        return {"attempt": handoff.attempt, "by": "quick"}

@@ -1,0 +1,118 @@
+"""Crash recovery with real worker processes: SIGKILL, a frozen zombie, heartbeats."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+from anyio.abc import Process
+
+from handoffbus import HandoffBus, HandoffStatus
+from handoffbus.workers import Worker
+
+from .agents import Quick, Sleepy
+from .conftest import make_bus
+from .helpers import req, response_statuses
+
+pytestmark = pytest.mark.anyio
+ROOT = Path(__file__).resolve().parent.parent
+IDLE = 1.0
+
+
+async def start_worker(url: str, prefix: str, agent: str, *extra: str) -> Process:
+    process = await anyio.open_process(
+        [sys.executable, "-m", "handoffbus", "worker", agent, "--redis-url", url, "--prefix", prefix,
+         "--reclaim-idle", str(IDLE), *extra],
+        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert process.stdout is not None
+    with anyio.fail_after(30):
+        assert b"serving" in await process.stdout.receive()
+    return process
+
+
+async def wait_accepted(bus: HandoffBus, handles: list) -> None:
+    with anyio.fail_after(30):
+        for handle in handles:
+            assert (await handle.decision()).status is HandoffStatus.ACCEPTED
+
+
+async def test_work_of_a_killed_worker_is_finished_by_another(real_backend: str, servers: dict) -> None:
+    async with make_bus(real_backend, servers) as bus:
+        doomed = await start_worker(servers[real_backend].url, bus.config.prefix, "tests.agents:Sleepy",
+                                    "--concurrency", "200")
+        client = bus.client("req")
+        handles = [await client.request_handoff(req("req", "sleepy-1", reason=f"r{i}")) for i in range(200)]
+        await wait_accepted(bus, handles)  # all 200 in the doomed worker's hands
+        doomed.kill()
+        await doomed.wait()
+        killed_at = anyio.current_time()
+        quick = Quick()
+        async with anyio.create_task_group() as tg:
+            worker = Worker(bus, quick, concurrency=200, reclaim_idle=IDLE)
+            await tg.start(worker.run)
+            with anyio.fail_after(30):
+                outcomes = [await h.outcome() for h in handles]
+            recovered_in = anyio.current_time() - killed_at
+            worker.drain()
+        await doomed.aclose()
+        print(f"\n200 handoffs of a SIGKILLed worker finished in {recovered_in:.2f}s (idle {IDLE}s)")
+        assert recovered_in <= IDLE + 2
+        assert all(
+            o.status is HandoffStatus.COMPLETED and o.result == {"attempt": 2, "by": "quick"} for o in outcomes
+        )
+        for handle in handles:
+            assert await response_statuses(bus, "req", handle.handoff_id) == ["ACCEPTED", "COMPLETED"]
+        assert (await bus.redis.xpending(bus.keys.target("sleepy-1").inbox, "workers"))["pending"] == 0
+
+
+async def test_a_frozen_worker_cannot_write_an_outcome_when_it_wakes(real_backend: str, servers: dict) -> None:
+    async with make_bus(real_backend, servers) as bus:
+        zombie = await start_worker(servers[real_backend].url, bus.config.prefix, "tests.agents:Sleepy")
+        handle = await bus.client("req").request_handoff(
+            req("req", "sleepy-1", reason="z", metadata={"work_s": 3 * IDLE})
+        )
+        await wait_accepted(bus, [handle])
+        zombie.send_signal(signal.SIGSTOP)  # frozen past the idle time: its work is taken over
+        quick = Quick()
+        async with anyio.create_task_group() as tg:
+            worker = Worker(bus, quick, reclaim_idle=IDLE)
+            await tg.start(worker.run)
+            with anyio.fail_after(30):
+                outcome = await handle.outcome()
+            zombie.send_signal(signal.SIGCONT)  # it wakes, finishes its sleep and tries to complete
+            zombie.send_signal(signal.SIGTERM)  # drain: its handler finishes within the grace period
+            with anyio.fail_after(30):
+                assert await zombie.wait() == 0
+            worker.drain()
+        await zombie.aclose()
+        assert outcome.result == {"attempt": 2, "by": "quick"}
+        assert await response_statuses(bus, "req", handle.handoff_id) == ["ACCEPTED", "COMPLETED"]
+        record = await bus.client("req").get_handoff_status(handle.handoff_id)
+        assert record is not None and [h.status for h in record.history] == [
+            HandoffStatus.PENDING, HandoffStatus.ACCEPTED, HandoffStatus.COMPLETED]
+
+
+async def test_a_long_handler_keeps_its_work_with_heartbeats(backend: str, servers: dict) -> None:
+    idle = 0.3
+    async with make_bus(backend, servers) as bus:
+        handle = await bus.client("req").request_handoff(
+            req("req", "sleepy-1", reason="long", metadata={"work_s": 3 * idle})
+        )
+        rival = Quick()  # another live worker of the agent, looking for idle work all along
+        async with anyio.create_task_group() as tg:
+            holder = Worker(bus, Sleepy(), reclaim_idle=idle)
+            await tg.start(holder.run)
+            await wait_accepted(bus, [handle])
+            other = Worker(bus, rival, reclaim_idle=idle)
+            await tg.start(other.run)
+            with anyio.fail_after(30):
+                outcome = await handle.outcome()
+            holder.drain()
+            other.drain()
+    assert outcome.result == {"attempt": 1, "by": "sleepy"}
+    assert rival.seen == []  # never redelivered
