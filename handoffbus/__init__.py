@@ -28,6 +28,7 @@ from .errors import PayloadTooLarge as PayloadTooLarge
 from .errors import RequestConflict as RequestConflict
 from .errors import ServerUnsupported as ServerUnsupported
 from .handle import HandoffHandle as HandoffHandle
+from .models import DeadLetter as DeadLetter
 from .models import HandoffRecord as HandoffRecord
 from .models import HandoffRequest as HandoffRequest
 from .models import HandoffResponse as HandoffResponse
@@ -38,6 +39,7 @@ from .models import PendingHandoff as PendingHandoff
 __all__ = [
     "BusConfig",
     "ConversationEntry",
+    "DeadLetter",
     "DecodeError",
     "EmbeddedServer",
     "EncodeError",

@@ -14,7 +14,15 @@ from . import errors
 from .config import MAX_PRIORITY
 from .errors import InvalidRequest, NotPermitted, raise_for_code
 from .handle import HandoffHandle
-from .models import TERMINAL, HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatus, PendingHandoff
+from .models import (
+    TERMINAL,
+    DeadLetter,
+    HandoffRecord,
+    HandoffRequest,
+    HandoffResponse,
+    HandoffStatus,
+    PendingHandoff,
+)
 from .names import check_name, check_names, join_handoff_id, split_handoff_id
 from .records import response_from_reply
 from .waiters import Waiter
@@ -258,6 +266,38 @@ class HandoffClient:
                     created_ms=int(created), deadline_ms=int(deadline),
                 ))
         return pending
+
+    async def get_dead_letters(self, agent_id: str | None = None, count: int = 100) -> list[DeadLetter]:
+        """The dead letters of ``agent_id`` (default: this agent), oldest first."""
+        agent = check_name(agent_id or self.agent_id, "agent id")
+        entries = await self._bus.redis.xrange(self._bus.keys.dead_letters(agent), count=count)
+        return [
+            DeadLetter(
+                entry_id=eid.decode(), handoff_id=f[b"h"].decode(), reason=f[b"reason"].decode(),
+                deliveries=int(f[b"deliveries"]), consumer=f[b"consumer"].decode(),
+                at_ms=int(eid.split(b"-")[0]),
+            )
+            for eid, f in entries
+        ]
+
+    async def replay_dead_letter(self, agent_id: str, entry_id: str) -> bool:
+        """Queue a dead-lettered handoff for ``agent_id`` again and drop the dead letter.
+
+        Returns False (dropping the dead letter) when the handoff has ended or is gone meanwhile;
+        a worker carries on from the recorded state (an ACCEPTED one is taken over, attempt + 1).
+        """
+        agent, bus = check_name(agent_id, "agent id"), self._bus
+        key = bus.keys.dead_letters(agent)
+        found = await bus.redis.xrange(key, entry_id, entry_id)
+        if not found:
+            raise errors.HandoffNotFound(f"dead letter {entry_id} of {agent}")
+        handoff_id = found[0][1][b"h"].decode()
+        record = await self.get_handoff_status(handoff_id)
+        live = record is not None and not record.terminal
+        if live and record is not None:
+            await bus.enqueue(agent, handoff_id, record.request.priority)
+        await bus.redis.xdel(key, entry_id)  # after re-queueing: a crash between repeats, never loses
+        return live
 
     async def clear_all_handoffs(self, *, confirm: str) -> int:
         """Delete every key of this bus's prefix (and only those). ``confirm`` must equal the prefix."""

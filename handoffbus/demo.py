@@ -30,9 +30,9 @@ async def _specialist(bus: HandoffBus, say: object) -> None:
             continue
         for delivery, loaded in zip(taken, await inbox.load([d.handoff_id for d in taken]), strict=True):
             done.append(delivery.handoff_id)
-            if loaded is None or loaded[0] is not HandoffStatus.PENDING:
+            if loaded is None or loaded.request is None or loaded.status is not HandoffStatus.PENDING:
                 continue
-            request = loaded[1]
+            request = loaded.request
             missing = set(request.capabilities_required) - SKILLS
             try:
                 if missing:

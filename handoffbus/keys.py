@@ -85,6 +85,10 @@ class Keys:
             bell=f"{base}bell",
         )
 
+    def dead_letters(self, agent: str) -> str:
+        """Stream of handoffs the agent's workers could not handle (undecodable, or crashed too often)."""
+        return f"{self.slot(agent)}dead"
+
     @property
     def requesters(self) -> str:
         """Set of agent ids that own handoff records (what the expiry sweep walks)."""

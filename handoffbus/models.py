@@ -14,6 +14,7 @@ __all__ = [
     "DECISIONS",
     "OUTCOMES",
     "TERMINAL",
+    "DeadLetter",
     "HandoffRecord",
     "HandoffRequest",
     "HandoffResponse",
@@ -113,6 +114,17 @@ class HandoffRecord(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def terminal(self) -> bool:
         return self.status in TERMINAL
+
+
+class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
+    """A handoff an agent's workers gave up on: why, after how many deliveries, by whom."""
+
+    entry_id: str
+    handoff_id: str
+    reason: str
+    deliveries: int
+    consumer: str
+    at_ms: int
 
 
 class PendingHandoff(msgspec.Struct, frozen=True, kw_only=True):

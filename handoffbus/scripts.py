@@ -38,6 +38,7 @@ SCRIPT_NAMES = (
     "lease",
     "load",
     "reclaim",
+    "deadletter",
 )
 _INCLUDE = re.compile(r"^-- @include (\w+)$", re.MULTILINE)
 
@@ -114,3 +115,4 @@ class Scripts:
     lease: Script
     load: Script
     reclaim: Script
+    deadletter: Script

@@ -36,7 +36,7 @@ REQUESTER = "general-agent-1"
 TARGET = "security-specialist-1"
 PREFIX = "hb"
 #: Every key suffix handoffbus/keys.py builds (the doc must explain each).
-SUFFIXES = ("h:", "p:", "deadlines", "responses", "queue", "inbox", "inflight", "seq", "bell",
+SUFFIXES = ("h:", "p:", "deadlines", "responses", "queue", "inbox", "inflight", "seq", "bell", "dead",
             "requesters", "targets", "sweep-lease")
 
 
@@ -85,6 +85,7 @@ def expected_keys() -> set[str]:
     target = keys.target(TARGET)
     found = {getattr(record, f.name) for f in dataclasses.fields(RecordKeys)}
     found |= {getattr(target, f.name) for f in dataclasses.fields(TargetKeys)}
+    found.add(keys.dead_letters(TARGET))
     for name, member in vars(Keys).items():
         if isinstance(member, property):
             found.add(getattr(keys, name))
@@ -126,6 +127,13 @@ async def build_state(bus: HandoffBus) -> None:
 
     # req-44: queued after req-42 but at priority 0, so served before it
     await requester.request_handoff(request("req-44", 0, "Rotate the leaked staging API key", ["secrets"]))
+
+    # req-40: taken by worker-2, whose handling kept stopping workers: dead-lettered
+    await requester.request_handoff(request("req-40", -1, "Scan an uploaded archive", ["malware-scan"]))
+    crashing = Inbox(bus, TARGET, "worker-2")
+    _, taken = await crashing.take(1)
+    assert [d.handoff_id for d in taken] == [f"{REQUESTER}/req-40"]
+    await crashing.dead_letter(taken[0], "delivered 6 times; its handling kept stopping workers", 6)
 
     record = await requester.get_handoff_status(f"{REQUESTER}/req-42")
     assert record is not None and record.status is HandoffStatus.PENDING

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
+from ..errors import HandoffbusError
 from ..keys import GROUP
 from ..models import HandoffRequest, HandoffStatus
 from ..names import check_name, split_handoff_id
@@ -31,12 +32,16 @@ class Delivery(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Loaded(NamedTuple):
-    """A taken handoff's record: status, request, the agent that accepted it, its attempt."""
+    """A taken handoff's record: status, request, the agent that accepted it, its attempt.
+
+    ``error`` says why the record could not be decoded (then ``request`` is None).
+    """
 
     status: HandoffStatus
-    request: HandoffRequest
+    request: HandoffRequest | None
     agent: str | None
     attempt: int
+    error: str | None = None
 
 
 class Inbox:
@@ -78,10 +83,21 @@ class Inbox:
         for row in rows:
             if isinstance(row, BaseException):
                 raise row
-        return [
-            None if status is None else Loaded(
-                HandoffStatus(status.decode()), bus.codec.loads(env, HandoffRequest),
-                agent.decode() if agent else None, int(attempt or 0),
-            )
-            for status, env, agent, attempt in rows
-        ]
+        return [None if row[0] is None else self._decode(*row) for row in rows]
+
+    def _decode(self, status: bytes, env: bytes | None, agent: bytes | None, attempt: bytes | None) -> Loaded:
+        owner, tries = (agent.decode() if agent else None), int(attempt or 0)
+        try:
+            return Loaded(HandoffStatus(status.decode()), self._bus.codec.loads(env or b"", HandoffRequest),
+                          owner, tries)
+        except (HandoffbusError, ValueError) as exc:  # a poison record: reported, never raised
+            return Loaded(HandoffStatus.PENDING, None, owner, tries, f"{type(exc).__name__}: {exc}")
+
+    async def dead_letter(self, delivery: Delivery, reason: str, deliveries: int, cap: int = 10_000) -> bytes:
+        """Move a taken handoff to the dead-letter stream (acknowledged in the same step)."""
+        bus = self._bus
+        keys = [self._keys[1], self._keys[2], bus.keys.dead_letters(self.agent)]
+        entry: bytes = await bus.script("deadletter", keys, [
+            GROUP, delivery.handoff_id, delivery.entry_id, reason, deliveries, self.consumer, cap,
+        ])
+        return entry

@@ -61,6 +61,7 @@ class Worker:
         block: float = 1.0,
         grace: float = 30.0,
         reclaim_idle: float = 30.0,
+        max_deliveries: int = 5,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -72,8 +73,12 @@ class Worker:
         #: a handoff whose inbox entry sits idle this long (its worker died or froze) is taken
         #: over by a live worker of the agent; running handlers send heartbeats well within it
         self.reclaim_idle = reclaim_idle
+        #: an entry delivered more often than this (its handling kept killing workers) is
+        #: dead-lettered instead of handled again
+        self.max_deliveries = max_deliveries
         self._block_ms = int(block * 1000)
         self._entries: dict[str, str] = {}  # handoff id -> inbox entry of every running handler
+        self._reclaim_pass = anyio.Event()
         self._inbox = Inbox(bus, agent.agent_id, self.consumer)
         self._inbox_key = bus.keys.target(agent.agent_id).inbox
         self._client = bus.client(agent.agent_id)
@@ -174,28 +179,54 @@ class Worker:
                 except (RedisError, OSError) as exc:
                     log.warning("%s: heartbeat failed (%s)", self.consumer, exc)
 
+    async def wait_reclaim_pass(self) -> None:
+        """Return after the reclaim loop's next look for idle entries (for operators and tests)."""
+        await self._reclaim_pass.wait()
+
+    def _reclaim_pass_done(self) -> None:
+        self._reclaim_pass.set()
+        self._reclaim_pass = anyio.Event()
+
     async def _reclaim_loop(self, handlers: anyio.abc.TaskGroup) -> None:
         """Take over entries other consumers of this agent left idle (they died or froze)."""
         cursor: bytes | str = "0-0"
         while not self._draining:
             await anyio.sleep(self.reclaim_idle / 2)  # a timer: idle entries are looked for twice per period
-            free = self.concurrency - self._active
-            if free <= 0 or self._draining:
-                continue
             try:
-                reply = await self.bus.redis.xautoclaim(
-                    self._inbox_key, GROUP, self.consumer, int(self.reclaim_idle * 1000), cursor, count=free
-                )
-                cursor, claimed = reply[0], reply[1]
-                taken = [Delivery(handoff_id=f[b"h"].decode(), entry_id=eid.decode()) for eid, f in claimed if f]
-                loaded = await self._inbox.load([d.handoff_id for d in taken])
-            except (RedisError, OSError) as exc:
-                log.warning("%s: reclaim failed (%s)", self.consumer, exc)
-                continue
-            for delivery, row in zip(taken, loaded, strict=True):
-                log.info("%s: reclaimed %s", self.consumer, delivery.handoff_id)
-                self._active += 1
-                handlers.start_soon(self._handle, delivery, row)
+                cursor = await self._reclaim_once(handlers, cursor)
+            finally:
+                self._reclaim_pass_done()
+
+    async def _reclaim_once(self, handlers: anyio.abc.TaskGroup, cursor: bytes | str) -> bytes | str:
+        free = self.concurrency - self._active
+        if free <= 0 or self._draining:
+            return cursor
+        try:
+            reply = await self.bus.redis.xautoclaim(
+                self._inbox_key, GROUP, self.consumer, int(self.reclaim_idle * 1000), cursor, count=free
+            )
+            cursor, claimed = reply[0], reply[1]
+            taken = [Delivery(handoff_id=f[b"h"].decode(), entry_id=eid.decode()) for eid, f in claimed if f]
+            if not taken:
+                return cursor
+            counts = await self._delivery_counts(taken)
+            loaded = await self._inbox.load([d.handoff_id for d in taken])
+        except (RedisError, OSError) as exc:
+            log.warning("%s: reclaim failed (%s)", self.consumer, exc)
+            return cursor
+        for delivery, row in zip(taken, loaded, strict=True):
+            deliveries = counts.get(delivery.entry_id, 1)
+            log.info("%s: reclaimed %s (delivery %d)", self.consumer, delivery.handoff_id, deliveries)
+            self._active += 1
+            handlers.start_soon(self._handle, delivery, row, deliveries)
+        return cursor
+
+    async def _delivery_counts(self, taken: list[Delivery]) -> dict[str, int]:
+        ids = sorted((d.entry_id for d in taken), key=lambda e: tuple(map(int, e.split("-"))))
+        rows = await self.bus.redis.xpending_range(
+            self._inbox_key, GROUP, min=ids[0], max=ids[-1], count=len(ids) + 64, consumername=self.consumer
+        )
+        return {row["message_id"].decode(): int(row["times_delivered"]) for row in rows}
 
     async def _fetch_loop(self, handlers: anyio.abc.TaskGroup) -> None:
         backoff = 0.05
@@ -226,7 +257,7 @@ class Worker:
                 self._active += 1
                 handlers.start_soon(self._handle, delivery, row)
 
-    async def _handle(self, delivery: Delivery, row: Loaded | None) -> None:
+    async def _handle(self, delivery: Delivery, row: Loaded | None, deliveries: int = 1) -> None:
         hid = delivery.handoff_id
         # what becomes of the delivery when this handler ends
         after = "settle"
@@ -234,6 +265,15 @@ class Worker:
         try:
             if row is None or row.status in TERMINAL:
                 return  # decided elsewhere, expired or gone: only settle it
+            poison = row.error or (
+                f"delivered {deliveries} times; its handling kept stopping workers"
+                if deliveries > self.max_deliveries else None
+            )
+            if poison or row.request is None:
+                await self._inbox.dead_letter(delivery, poison or "no request", deliveries)
+                log.error("%s: dead-lettered %s: %s", self.consumer, hid, poison)
+                after = "dead"
+                return
             if row.status is HandoffStatus.ACCEPTED:
                 # accepted by a worker of this agent that stopped: carry on from there
                 attempt = await self._take_over(hid)
@@ -259,7 +299,7 @@ class Worker:
             self._entries.pop(hid, None)
             if after == "settle":
                 self._done.append(hid)
-            elif after == "give back" and row is not None:
+            elif after == "give back" and row is not None and row.request is not None:
                 self._give_back.append((hid, row.request.priority))
             self._changed.set()
 

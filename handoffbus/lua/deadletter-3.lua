@@ -1,0 +1,18 @@
+--[[
+  deadletter: move a taken handoff out of the agent's inbox into its dead-letter stream,
+  with why and after how many deliveries; acknowledged in the same step, so workers carry
+  on and nothing is lost (the dead letter names the handoff; its record stays).
+
+  KEYS[1] inbox stream   <p>:{T}:inbox
+  KEYS[2] in-flight index <p>:{T}:inflight
+  KEYS[3] dead letters   <p>:{T}:dead  (stream; fields h, entry, reason, deliveries, consumer)
+  ARGV[1] consumer group   ARGV[2] handoff id   ARGV[3] inbox entry id
+  ARGV[4] reason           ARGV[5] deliveries   ARGV[6] consumer   ARGV[7] dead-letter cap (MAXLEN ~)
+
+  Returns the dead-letter entry id.
+]]
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+redis.call('XDEL', KEYS[1], ARGV[3])
+redis.call('HDEL', KEYS[2], ARGV[2])
+return redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*', 'h', ARGV[2], 'entry', ARGV[3],
+  'reason', ARGV[4], 'deliveries', ARGV[5], 'consumer', ARGV[6])
