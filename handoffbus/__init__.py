@@ -28,6 +28,7 @@ from .errors import PayloadTooLarge as PayloadTooLarge
 from .errors import RequestConflict as RequestConflict
 from .errors import ServerUnsupported as ServerUnsupported
 from .handle import HandoffHandle as HandoffHandle
+from .models import AgentInfo as AgentInfo
 from .models import DeadLetter as DeadLetter
 from .models import HandoffRecord as HandoffRecord
 from .models import HandoffRequest as HandoffRequest
@@ -35,8 +36,10 @@ from .models import HandoffResponse as HandoffResponse
 from .models import HandoffStatus as HandoffStatus
 from .models import HistoryEntry as HistoryEntry
 from .models import PendingHandoff as PendingHandoff
+from .models import WorkerInfo as WorkerInfo
 
 __all__ = [
+    "AgentInfo",
     "BusConfig",
     "ConversationEntry",
     "DeadLetter",
@@ -65,6 +68,7 @@ __all__ = [
     "PendingHandoff",
     "RequestConflict",
     "ServerUnsupported",
+    "WorkerInfo",
     "context_json_schema",
     "deserialize_context",
     "serialize_context",

@@ -16,12 +16,14 @@ from .errors import InvalidRequest, NotPermitted, raise_for_code
 from .handle import HandoffHandle
 from .models import (
     TERMINAL,
+    AgentInfo,
     DeadLetter,
     HandoffRecord,
     HandoffRequest,
     HandoffResponse,
     HandoffStatus,
     PendingHandoff,
+    WorkerInfo,
 )
 from .names import check_name, check_names, join_handoff_id, split_handoff_id
 from .records import response_from_reply
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     from .bus import HandoffBus
 
 _canonical = msgspec.msgpack.Encoder(order="sorted")
+_worker_info = msgspec.json.Decoder(WorkerInfo)
 
 
 def request_fingerprint(request: HandoffRequest) -> bytes:
@@ -266,6 +269,35 @@ class HandoffClient:
                     created_ms=int(created), deadline_ms=int(deadline),
                 ))
         return pending
+
+    async def list_agents(self) -> list[AgentInfo]:
+        """Agents with at least one live worker (beating within its time to live), by agent id."""
+        bus = self._bus
+        agents = sorted(m.decode() for m in await bus.redis.smembers(bus.keys.agents))
+        if not agents:
+            return []
+        async with bus.redis.pipeline(transaction=False) as pipe:
+            for agent in agents:
+                pipe.hgetall(bus.keys.workers(agent))
+            tables = await pipe.execute()
+        now = await bus.server_time_ms()
+        found = []
+        for agent, table in zip(agents, tables, strict=True):
+            workers, gone = [], []
+            for consumer, raw in table.items():
+                info = _worker_info.decode(raw)
+                ttl = int(msgspec.json.decode(raw).get("ttl_ms", 0))
+                if info.beat_ms + ttl > now:
+                    workers.append(info)
+                elif info.beat_ms + 10 * ttl <= now:
+                    gone.append(consumer)  # a worker that died long ago: forget it
+            if gone:
+                await bus.redis.hdel(bus.keys.workers(agent), *gone)
+            if workers:
+                caps = sorted({c for w in workers for c in w.capabilities})
+                found.append(AgentInfo(agent_id=agent, capabilities=caps,
+                                       workers=sorted(workers, key=lambda w: w.consumer)))
+        return found
 
     async def get_dead_letters(self, agent_id: str | None = None, count: int = 100) -> list[DeadLetter]:
         """The dead letters of ``agent_id`` (default: this agent), oldest first."""

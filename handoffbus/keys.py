@@ -89,6 +89,19 @@ class Keys:
         """Stream of handoffs the agent's workers could not handle (undecodable, or crashed too often)."""
         return f"{self.slot(agent)}dead"
 
+    def workers(self, agent: str) -> str:
+        """Hash of the agent's registered workers (consumer -> info with its last beat)."""
+        return f"{self.slot(agent)}workers"
+
+    def worker_beat(self, agent: str, consumer: str) -> str:
+        """A worker's heartbeat key: its TTL runs out when the worker stops beating."""
+        return f"{self.slot(agent)}w:{consumer}"
+
+    @property
+    def agents(self) -> str:
+        """Set of agent ids that ever registered a worker (what ``list_agents`` walks)."""
+        return f"{self.prefix}:agents"
+
     @property
     def requesters(self) -> str:
         """Set of agent ids that own handoff records (what the expiry sweep walks)."""

@@ -14,6 +14,7 @@ __all__ = [
     "DECISIONS",
     "OUTCOMES",
     "TERMINAL",
+    "AgentInfo",
     "DeadLetter",
     "HandoffRecord",
     "HandoffRequest",
@@ -21,6 +22,7 @@ __all__ = [
     "HandoffStatus",
     "HistoryEntry",
     "PendingHandoff",
+    "WorkerInfo",
 ]
 
 
@@ -125,6 +127,34 @@ class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
     deliveries: int
     consumer: str
     at_ms: int
+
+
+class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One live worker process of an agent, as it last reported itself."""
+
+    consumer: str
+    state: str
+    load: int
+    limit: int
+    capabilities: list[str] = []
+    started_ms: int = 0
+    beat_ms: int = 0
+
+
+class AgentInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """An agent with at least one live worker: its capabilities and its workers."""
+
+    agent_id: str
+    capabilities: list[str]
+    workers: list[WorkerInfo]
+
+    @property
+    def load(self) -> int:
+        return sum(w.load for w in self.workers)
+
+    @property
+    def limit(self) -> int:
+        return sum(w.limit for w in self.workers)
 
 
 class PendingHandoff(msgspec.Struct, frozen=True, kw_only=True):

@@ -39,6 +39,7 @@ SCRIPT_NAMES = (
     "load",
     "reclaim",
     "deadletter",
+    "register",
 )
 _INCLUDE = re.compile(r"^-- @include (\w+)$", re.MULTILINE)
 
@@ -116,3 +117,4 @@ class Scripts:
     load: Script
     reclaim: Script
     deadletter: Script
+    register: Script

@@ -37,7 +37,7 @@ TARGET = "security-specialist-1"
 PREFIX = "hb"
 #: Every key suffix handoffbus/keys.py builds (the doc must explain each).
 SUFFIXES = ("h:", "p:", "deadlines", "responses", "queue", "inbox", "inflight", "seq", "bell", "dead",
-            "requesters", "targets", "sweep-lease")
+            "workers", "w:", "agents", "requesters", "targets", "sweep-lease")
 
 
 # ---------------------------------------------------------------------- reading the doc
@@ -86,6 +86,7 @@ def expected_keys() -> set[str]:
     found = {getattr(record, f.name) for f in dataclasses.fields(RecordKeys)}
     found |= {getattr(target, f.name) for f in dataclasses.fields(TargetKeys)}
     found.add(keys.dead_letters(TARGET))
+    found |= {keys.workers(TARGET), keys.worker_beat(TARGET, "worker-1")}
     for name, member in vars(Keys).items():
         if isinstance(member, property):
             found.add(getattr(keys, name))
@@ -127,6 +128,12 @@ async def build_state(bus: HandoffBus) -> None:
 
     # req-44: queued after req-42 but at priority 0, so served before it
     await requester.request_handoff(request("req-44", 0, "Rotate the leaked staging API key", ["secrets"]))
+
+    # worker-1 registers itself as a live worker of the target (a long time to live, for the doc)
+    await bus.redis.sadd(bus.keys.agents, TARGET)
+    info = b'{"consumer":"worker-1","state":"RUNNABLE","load":1,"limit":8,"capabilities":["oauth"],"ttl_ms":600000}'
+    await bus.script("register", [bus.keys.workers(TARGET), bus.keys.worker_beat(TARGET, "worker-1")],
+                     ["worker-1", info, 600_000])
 
     # req-40: taken by worker-2, whose handling kept stopping workers: dead-lettered
     await requester.request_handoff(request("req-40", -1, "Scan an uploaded archive", ["malware-scan"]))

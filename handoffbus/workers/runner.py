@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
 from anyio.abc import TaskStatus
 from redis.exceptions import RedisError
 
@@ -79,6 +80,9 @@ class Worker:
         self._block_ms = int(block * 1000)
         self._entries: dict[str, str] = {}  # handoff id -> inbox entry of every running handler
         self._reclaim_pass = anyio.Event()
+        #: the registry heartbeat: every ``beat`` seconds, with a time to live of three beats
+        self.beat = min(1.0, reclaim_idle / 3)
+        self._started_ms = 0
         self._inbox = Inbox(bus, agent.agent_id, self.consumer)
         self._inbox_key = bus.keys.target(agent.agent_id).inbox
         self._client = bus.client(agent.agent_id)
@@ -114,7 +118,9 @@ class Worker:
         """Serve until ``drain()`` (or cancellation); returns when drained."""
         try:
             with anyio.CancelScope() as self._stop_scope:
+                await self._join()
                 async with anyio.create_task_group() as handlers:
+                    handlers.start_soon(self._registry_loop)
                     handlers.start_soon(self._heartbeat_loop)
                     handlers.start_soon(self._reclaim_loop, handlers)
                     task_status.started()
@@ -127,6 +133,7 @@ class Worker:
             with anyio.CancelScope(shield=True):
                 await self._settle_done()
                 await self._hand_back()
+                await self._leave()
 
     async def serve_until_signalled(self) -> None:
         """``run()`` with SIGTERM/SIGINT handling: the first drains, the second stops at once."""
@@ -165,6 +172,39 @@ class Worker:
             except (RedisError, OSError) as exc:
                 log.warning("%s: could not hand %s back (%s); it stays pending", self.consumer, hid, exc)
         self._give_back.clear()
+
+    async def _join(self) -> None:
+        self._started_ms = await self.bus.server_time_ms()
+        await self.bus.redis.sadd(self.bus.keys.agents, self.agent.agent_id)
+        await self._register()
+
+    async def _register(self, *, leave: bool = False) -> None:
+        keys = self.bus.keys
+        ttl_ms = 0 if leave else int(self.beat * 3000)
+        info = msgspec.json.encode({
+            "consumer": self.consumer, "state": str(self.state), "load": self._active, "limit": self.concurrency,
+            "capabilities": sorted(set(self.agent.capabilities)), "started_ms": self._started_ms,
+            "ttl_ms": ttl_ms,
+        })
+        await self.bus.script(
+            "register", [keys.workers(self.agent.agent_id), keys.worker_beat(self.agent.agent_id, self.consumer)],
+            [self.consumer, info, ttl_ms],
+        )
+
+    async def _leave(self) -> None:
+        try:
+            await self._register(leave=True)
+        except Exception as exc:  # the bus may be closing: the entry then ages out by its TTL
+            log.info("%s: could not deregister (%s)", self.consumer, exc)
+
+    async def _registry_loop(self) -> None:
+        """Report state and load to the registry every beat (what routing and operators read)."""
+        while True:
+            await anyio.sleep(self.beat)  # a timer
+            try:
+                await self._register()
+            except (RedisError, OSError) as exc:
+                log.warning("%s: registry heartbeat failed (%s)", self.consumer, exc)
 
     async def _heartbeat_loop(self) -> None:
         """Keep the inbox entries of running handlers fresh, so a long handler is never reclaimed."""
