@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
         "--redis-url", default=os.environ.get("HANDOFFBUS_REDIS_URL"),
         help="server to use (default: HANDOFFBUS_REDIS_URL, else a throwaway embedded server)",
     )
+    demo.add_argument("--agents", type=int, default=3, help="specialist agents in a load run (default 3)")
+    demo.add_argument("--handoffs", type=int, default=0, help="make it a load run of this many handoffs")
     worker = commands.add_parser("worker", help="serve an Agent class (module:Class) until SIGTERM/SIGINT")
     worker.add_argument("agent", help="the Agent subclass to serve, as module.path:ClassName")
     worker.add_argument("--concurrency", type=int, default=8, help="handoffs handled at once (default 8)")
@@ -35,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import run
 
-        good = anyio.run(run, args.redis_url)
-        return 0 if good == 4 else 1
+        if args.agents < 1 or args.handoffs < 0:
+            parser.error("--agents must be at least 1 and --handoffs not negative")
+        return 0 if anyio.run(run, args.redis_url, print, args.agents, args.handoffs) else 1
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

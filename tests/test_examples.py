@@ -29,11 +29,24 @@ def test_demo_command_ends_every_handoff_as_expected() -> None:
     done = run("-m", "handoffbus", "demo")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert "4/4 handoffs ended as expected" in lines[-1]
-    accepted = [line for line in lines if "accepted" in line]
-    assert "(priority 1)" in accepted[0] and "(priority 9)" in accepted[1]  # served in priority order
-    assert any("REJECTED missing capability: translation" in line for line in lines)
-    assert any("'nobody is listening': EXPIRED" in line for line in lines)
+    assert lines[-1].endswith("6/6 handoffs ended as expected")
+    assert "'COMPLETED': 4, 'EXPIRED': 1, 'REJECTED': 1" in lines[-1]
+
+    def at(text: str) -> int:
+        return next(i for i, line in enumerate(lines) if text in line)
+
+    # the reviewer works one at a time, best priority first: the priority 1 review ends before the 9
+    assert at("'review the login handler for injection' COMPLETED") < at("'tidy the README wording' COMPLETED")
+    assert "CAPABILITY_MISSING: missing capability: translation" in lines[at("'translate the release notes' REJ")]
+    assert at("A-1002' REJECTED OVER_LIMIT") < at("follows the redirect to refunds-supervisor-1")
+    assert "refunds-supervisor-1: 'refund order A-1002' COMPLETED {'refunded': 900}" in lines[at("A-1002' COMPLETED")]
+    assert "'update the billing address' EXPIRED" in lines[-2]
+
+
+def test_demo_load_run() -> None:
+    done = run("-m", "handoffbus", "demo", "--agents", "3", "--handoffs", "300")
+    assert done.returncode == 0, done.stderr
+    assert "300/300 handoffs completed over 3 agents" in done.stdout
 
 
 @pytest.mark.parametrize("server", list(SERVER_BINARIES))

@@ -18,7 +18,7 @@ accepts the rest.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any, ClassVar
 
 import msgspec
@@ -84,7 +84,7 @@ class Agent:
         #: the agent's own availability (sw4rm): the default acceptance refuses unless RUNNABLE
         self.state = AgentState.RUNNABLE
 
-    def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+    def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject | Awaitable[Accept | Reject]:
         """Decide on a request (sw4rm's default). May be ``async def`` in a subclass."""
         missing = sorted(set(request.capabilities_required) - set(self.capabilities))
         if missing:
