@@ -81,6 +81,16 @@ class EmbeddedServer:
         self._tmp = tempfile.TemporaryDirectory(prefix="handoffbus-")
         self.directory = Path(self._tmp.name)
         self.port = self.port or _free_port()
+        self._launch()
+
+    def restart(self) -> None:
+        """Stop the process and start it again on the same directory, port and socket (with
+        ``--appendonly yes`` in ``extra_args`` the data survives); call ``wait_ready`` after."""
+        self._terminate()
+        self._launch()
+
+    def _launch(self) -> None:
+        assert self.directory is not None
         args = [
             self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
             "--unixsocket", str(self.socket_path), "--unixsocketperm", "700",
@@ -110,7 +120,7 @@ class EmbeddedServer:
                                 return
                 await anyio.sleep(0.01)  # polling a child process that has no readiness signal
 
-    def stop(self) -> None:
+    def _terminate(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -119,6 +129,9 @@ class EmbeddedServer:
                 self.process.kill()
                 self.process.wait()
         self.process = None
+
+    def stop(self) -> None:
+        self._terminate()
         if self._tmp is not None:
             with contextlib.suppress(OSError):
                 self._tmp.cleanup()

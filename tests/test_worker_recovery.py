@@ -116,3 +116,31 @@ async def test_a_long_handler_keeps_its_work_with_heartbeats(backend: str, serve
             other.drain()
     assert outcome.result == {"attempt": 1, "by": "sleepy"}
     assert rival.seen == []  # never redelivered
+
+
+async def test_a_worker_resumes_by_itself_after_the_server_restarts(real_backend: str) -> None:
+    from handoffbus import EmbeddedServer
+
+    from .agents import Echo
+    from .conftest import SERVER_BINARIES
+
+    server = EmbeddedServer(binary=SERVER_BINARIES[real_backend],
+                            extra_args=("--appendonly", "yes", "--appendfsync", "always"))
+    async with server, HandoffBus.connect(server.url, prefix="restart") as bus:
+        client = bus.client("req")
+        async with anyio.create_task_group() as tg:
+            worker = Worker(bus, Echo(), block=0.2, reclaim_idle=1.0)
+            await tg.start(worker.run)
+            before = [await client.request_handoff(req("req", "echo-1", reason=f"b{i}")) for i in range(10)]
+            with anyio.fail_after(10):
+                first = [await h.outcome() for h in before]
+            assert all(o.status is HandoffStatus.COMPLETED for o in first)
+            server.restart()
+            await server.wait_ready()
+            after = [await client.request_handoff(req("req", "echo-1", reason=f"a{i}")) for i in range(10)]
+            with anyio.fail_after(20):
+                outcomes = [await h.outcome() for h in after]
+            worker.drain()
+        assert all(o.status is HandoffStatus.COMPLETED for o in outcomes)
+        record = await client.get_handoff_status(before[0].handoff_id)
+        assert record is not None and record.status is HandoffStatus.COMPLETED  # survived the restart
