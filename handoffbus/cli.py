@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--agents", type=int, default=3, help="specialist agents in a load run (default 3)")
     demo.add_argument("--handoffs", type=int, default=0, help="make it a load run of this many handoffs")
     worker = commands.add_parser("worker", help="serve an Agent class (module:Class) until SIGTERM/SIGINT")
-    worker.add_argument("agent", help="the Agent subclass to serve, as module.path:ClassName")
+    worker.add_argument("agents", nargs="+", metavar="AGENT",
+                        help="Agent subclasses to serve in this process, as module.path:ClassName")
     worker.add_argument("--concurrency", type=int, default=8, help="handoffs handled at once (default 8)")
     worker.add_argument("--grace", type=float, default=30.0, help="seconds to finish running handlers on stop")
     worker.add_argument("--reclaim-idle", type=float, default=30.0,
@@ -49,26 +50,35 @@ def _worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from .bus import HandoffBus
     from .workers import Agent, Worker
+    from .workers.runner import serve_until_signalled
 
     url = args.redis_url or os.environ.get("HANDOFFBUS_REDIS_URL") or os.environ.get("REDIS_URL")
     if not url:
         parser.error("a worker needs a shared server: give --redis-url, HANDOFFBUS_REDIS_URL or REDIS_URL")
-    module_name, _, class_name = args.agent.partition(":")
-    try:
-        agent_class = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as exc:
-        parser.error(f"cannot load {args.agent!r}: {exc}")
-    if not (isinstance(agent_class, type) and issubclass(agent_class, Agent)):
-        parser.error(f"{args.agent!r} is not an Agent subclass")
+    classes = []
+    for spec in args.agents:
+        module_name, _, class_name = spec.partition(":")
+        try:
+            agent_class = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError, ValueError) as exc:
+            parser.error(f"cannot load {spec!r}: {exc}")
+        if not (isinstance(agent_class, type) and issubclass(agent_class, Agent)):
+            parser.error(f"{spec!r} is not an Agent subclass")
+        classes.append(agent_class)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     async def serve() -> None:
         async with HandoffBus.connect(url, prefix=args.prefix) as bus:
-            worker = Worker(bus, agent_class(), concurrency=args.concurrency, grace=args.grace,
-                            reclaim_idle=args.reclaim_idle)
-            print(f"worker {worker.consumer} serving {agent_class.agent_id}", flush=True)
-            await worker.serve_until_signalled()
-            print(f"worker {worker.consumer} drained: {dict(worker.handled)}", flush=True)
+            workers = [
+                Worker(bus, agent_class(), concurrency=args.concurrency, grace=args.grace,
+                       reclaim_idle=args.reclaim_idle)
+                for agent_class in classes
+            ]
+            for worker in workers:
+                print(f"worker {worker.consumer} serving {worker.agent.agent_id}", flush=True)
+            await serve_until_signalled(workers)
+            for worker in workers:
+                print(f"worker {worker.consumer} drained: {dict(worker.handled)}", flush=True)
 
     anyio.run(serve)
     return 0

@@ -88,3 +88,25 @@ async def test_worker_serves_from_the_environment_url(real_backend: str, servers
             process.send_signal(signal.SIGINT)
             with anyio.fail_after(30):
                 assert await process.wait() == 0
+
+
+async def test_one_process_serves_several_agents(real_backend: str, servers: dict) -> None:
+    async with make_bus(real_backend, servers) as bus:
+        process = await anyio.open_process(
+            [sys.executable, "-m", "handoffbus", "worker", "tests.agents:Echo", "tests.agents:SyncEcho",
+             "--redis-url", servers[real_backend].url, "--prefix", bus.config.prefix],
+            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            client = bus.client("req")
+            echo = await client.request_handoff(req("req", "echo-1", reason="one"))
+            shout = await client.request_handoff(req("req", "sync-1", reason="two"))
+            with anyio.fail_after(30):
+                assert (await echo.outcome()).result == {"echo": "one", "messages": 0, "attempt": 1}
+                assert (await shout.outcome()).result == "TWO"
+            assert [a.agent_id for a in await client.list_agents()] == ["echo-1", "sync-1"]
+        finally:
+            process.send_signal(signal.SIGTERM)
+            with anyio.fail_after(30):
+                assert await process.wait() == 0
+            await process.aclose()

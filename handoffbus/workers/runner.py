@@ -34,7 +34,7 @@ from .inbox import Delivery, Inbox, Loaded
 if TYPE_CHECKING:
     from ..bus import HandoffBus
 
-__all__ = ["Worker"]
+__all__ = ["Worker", "serve_until_signalled"]
 
 log = logging.getLogger("handoffbus")
 
@@ -137,17 +137,7 @@ class Worker:
 
     async def serve_until_signalled(self) -> None:
         """``run()`` with SIGTERM/SIGINT handling: the first drains, the second stops at once."""
-        async with anyio.create_task_group() as tg:
-
-            async def on_signals() -> None:
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for signum in signals:
-                        log.info("%s: received %s, draining", self.consumer, signal.Signals(signum).name)
-                        self.drain()
-
-            tg.start_soon(on_signals)
-            await self.run()
-            tg.cancel_scope.cancel()
+        await serve_until_signalled([self])
 
     # ------------------------------------------------------------------ loop
 
@@ -398,3 +388,22 @@ class Worker:
         packed = None if result is None else codec.dumps_value(result)
         await client._transition("complete", hid, {"result": packed, "lease": self.consumer}, settle=False)
         return HandoffStatus.COMPLETED
+
+
+async def serve_until_signalled(workers: list[Worker]) -> None:
+    """Run several workers in one process until SIGTERM/SIGINT: the first signal drains them all,
+    a second stops them at once."""
+    async with anyio.create_task_group() as tg:
+
+        async def on_signals() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    log.info("received %s: draining %d workers", signal.Signals(signum).name, len(workers))
+                    for worker in workers:
+                        worker.drain()
+
+        tg.start_soon(on_signals)
+        async with anyio.create_task_group() as running:
+            for worker in workers:
+                running.start_soon(worker.run)
+        tg.cancel_scope.cancel()
