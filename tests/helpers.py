@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from handoffbus import HandoffBus, HandoffRequest
+import anyio
+
+from handoffbus import HandoffBus, HandoffHandle, HandoffRequest, HandoffResponse
+from handoffbus.workers import Agent, Worker
 
 
 def req(frm: str, to: str, **kw: Any) -> HandoffRequest:
@@ -22,3 +26,16 @@ async def prefix_keys(bus: HandoffBus) -> list[bytes]:
 async def response_statuses(bus: HandoffBus, requester: str, handoff_id: str) -> list[str]:
     entries = await bus.redis.xrange(bus.keys.responses(requester))
     return [f[b"status"].decode() for _, f in entries if f[b"id"].decode() == handoff_id]
+
+
+async def serve_until_done(
+    bus: HandoffBus, agent: Agent, handles: Sequence[HandoffHandle], **options: Any
+) -> tuple[list[HandoffResponse], Worker]:
+    """Run a worker for ``agent`` until every handle has its outcome; the outcomes and the worker."""
+    async with anyio.create_task_group() as tg:
+        worker = Worker(bus, agent, **options)
+        await tg.start(worker.run)
+        with anyio.fail_after(30):
+            outcomes = [await h.outcome() for h in handles]
+        worker.drain()
+    return outcomes, worker

@@ -10,7 +10,7 @@ from handoffbus.workers import Worker
 from handoffbus.workers.inbox import Inbox
 
 from .agents import Echo
-from .helpers import req
+from .helpers import req, serve_until_done
 
 pytestmark = pytest.mark.anyio
 
@@ -20,12 +20,7 @@ async def test_an_undecodable_record_is_dead_lettered_and_the_worker_carries_on(
     poison = await client.request_handoff(req("req", "echo-1", reason="poison", request_id="bad"))
     good = [await client.request_handoff(req("req", "echo-1", reason=f"ok{i}")) for i in range(3)]
     await bus.redis.hset(bus.keys.record("req", "bad").record, "env", b"\xc1 not a request")
-    async with anyio.create_task_group() as tg:
-        worker = Worker(bus, Echo())
-        await tg.start(worker.run)
-        with anyio.fail_after(10):
-            outcomes = [await h.outcome() for h in good]
-        worker.drain()
+    outcomes, worker = await serve_until_done(bus, Echo(), good)
     assert all(o.status is HandoffStatus.COMPLETED for o in outcomes)
     [dead] = await client.get_dead_letters("echo-1")
     assert dead.handoff_id == poison.handoff_id and dead.deliveries == 1

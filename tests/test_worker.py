@@ -18,7 +18,7 @@ from handoffbus import (
 from handoffbus.workers import Agent, AgentState, Reject, Worker
 
 from .agents import Echo, Faulty, Gated, SyncEcho
-from .helpers import req, response_statuses
+from .helpers import req, response_statuses, serve_until_done
 
 pytestmark = pytest.mark.anyio
 S = HandoffStatus
@@ -33,12 +33,7 @@ async def test_a_worker_serves_requests_in_priority_order(bus: HandoffBus) -> No
         for i, p in enumerate(priorities)
     ]
     agent = Echo()
-    async with anyio.create_task_group() as tg:
-        worker = Worker(bus, agent, concurrency=1)
-        await tg.start(worker.run)
-        with anyio.fail_after(10):
-            outcomes = [await h.outcome() for h in handles]
-        worker.drain()
+    outcomes, worker = await serve_until_done(bus, agent, handles, concurrency=1)
     expected = [handles[i].handoff_id for i in sorted(range(len(priorities)), key=lambda i: (priorities[i], i))]
     assert agent.order == expected
     assert [o.status for o in outcomes] == [S.COMPLETED] * len(handles)
@@ -133,12 +128,7 @@ async def test_drain_finishes_running_work_and_leaves_the_rest_queued(bus: Hando
         agent.gate.set()  # the two running handlers finish within the grace period
     assert worker.handled == {S.COMPLETED: 2}
     assert await bus.redis.zcard(bus.keys.target("gated-1").queue) == 4  # not fetched, not lost
-    async with anyio.create_task_group() as tg:
-        second = Worker(bus, _open_gated(), concurrency=4)
-        await tg.start(second.run)
-        with anyio.fail_after(10):
-            outcomes = [await h.outcome() for h in handles]
-        second.drain()
+    outcomes, _ = await serve_until_done(bus, _open_gated(), handles, concurrency=4)
     assert all(o.status is S.COMPLETED for o in outcomes)
 
 
@@ -162,12 +152,7 @@ async def test_drain_hands_back_what_is_still_being_decided(bus: HandoffBus) -> 
     keys = bus.keys.target("gated-1")
     assert await bus.redis.zcard(keys.queue) == 3  # handed back to the queue
     assert (await bus.redis.xpending(keys.inbox, "workers"))["pending"] == 0
-    async with anyio.create_task_group() as tg:
-        second = Worker(bus, _open_gated())
-        await tg.start(second.run)
-        with anyio.fail_after(10):
-            outcomes = [await h.outcome() for h in handles]
-        second.drain()
+    outcomes, _ = await serve_until_done(bus, _open_gated(), handles)
     assert all(o.status is S.COMPLETED for o in outcomes)
     for handle in handles:
         assert await response_statuses(bus, "req", handle.handoff_id) == ["ACCEPTED", "COMPLETED"]

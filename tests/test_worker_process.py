@@ -12,11 +12,10 @@ import anyio
 import pytest
 
 from handoffbus import HandoffStatus
-from handoffbus.workers import Worker
 
 from .agents import Echo
 from .conftest import make_bus
-from .helpers import req, response_statuses
+from .helpers import req, response_statuses, serve_until_done
 
 pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,12 +44,7 @@ async def test_sigterm_drains_and_nothing_is_lost(real_backend: str, servers: di
             code = await process.wait()
         assert code == 0
         # what the process did not take is still queued; another worker finishes it
-        async with anyio.create_task_group() as tg:
-            worker = Worker(bus, Echo(), concurrency=8)
-            await tg.start(worker.run)
-            with anyio.fail_after(30):
-                outcomes = [await h.outcome() for h in handles]
-            worker.drain()
+        outcomes, _ = await serve_until_done(bus, Echo(), handles, concurrency=8)
         assert all(o.status is HandoffStatus.COMPLETED for o in outcomes)
         for handle in handles:
             assert await response_statuses(bus, "req", handle.handoff_id) == ["ACCEPTED", "COMPLETED"]
