@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import anyio
@@ -20,7 +20,7 @@ from .errors import HandoffbusError, InvalidRequest, ServerUnsupported
 from .keys import GROUP, Keys
 from .models import HandoffRecord
 from .names import split_handoff_id
-from .records import record_from_hash
+from .records import Loaded, loaded_from_row, record_from_hash
 from .scripts import Scripts
 from .sweeper import Sweeper
 from .waiters import ResponseReader, Waiter
@@ -207,8 +207,25 @@ class HandoffBus:
         await self.register_target(target)
         return bool(await self.script(*self.enqueue_call(target, handoff_id, priority)))
 
+    def settle_call(self, target: str, handoff_ids: list[str]) -> tuple[str, list[str], list[Any]]:
+        return "settle", self.keys.target(target).as_list(), [GROUP, *handoff_ids]
+
     async def settle(self, target: str, handoff_ids: list[str]) -> int:
-        return int(await self.script("settle", self.keys.target(target).as_list(), [GROUP, *handoff_ids]))
+        return int(await self.script(*self.settle_call(target, handoff_ids)))
+
+    async def load_records(self, handoff_ids: Sequence[str]) -> list[Loaded | None]:
+        """What each record holds (None where it is gone), in one round trip; never raises for bad data."""
+        if not handoff_ids:
+            return []
+        calls: list[tuple[str, list[str], list[Any]]] = []
+        for handoff_id in handoff_ids:
+            requester, request_id = split_handoff_id(handoff_id)
+            calls.append(("load", [self.keys.record(requester, request_id).record], []))
+        rows = await self.scripts_many(calls)
+        for row in rows:
+            if isinstance(row, BaseException):
+                raise row
+        return [loaded_from_row(row, self.codec) for row in rows]
 
     async def read_record(self, handoff_id: str) -> tuple[int, bytes, HandoffRecord] | None:
         """(server now ms, response stream position, record) or None; expires the record if due."""

@@ -5,14 +5,13 @@ from __future__ import annotations
 import hashlib
 import math
 import uuid
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from . import errors
 from .config import MAX_PRIORITY
-from .errors import InvalidRequest, NotPermitted, raise_for_code
+from .errors import DecodeError, InvalidRequest, NotPermitted, raise_for_code
 from .handle import HandoffHandle
 from .models import (
     TERMINAL,
@@ -34,6 +33,21 @@ if TYPE_CHECKING:
 
 _canonical = msgspec.msgpack.Encoder(order="sorted")
 _worker_info = msgspec.json.Decoder(WorkerInfo)
+
+
+def rejection_fields(
+    reason: object, code: object, retry_after_ms: object, redirect_to: object
+) -> dict[str, Any]:
+    """Validate a rejection's details and return them as the reject script's fields."""
+    if not isinstance(reason, str):
+        raise InvalidRequest("reason must be a str")
+    if code is not None:
+        check_name(code, "rejection code")
+    if redirect_to is not None:
+        check_name(redirect_to, "agent id")
+    if retry_after_ms is not None and (type(retry_after_ms) is not int or retry_after_ms < 0):
+        raise InvalidRequest("retry_after_ms must be a non-negative int")
+    return {"reason": reason, "code": code, "retry": retry_after_ms, "redirect": redirect_to}
 
 
 def request_fingerprint(request: HandoffRequest) -> bytes:
@@ -207,18 +221,8 @@ class HandoffClient:
         redirect_to: str | None = None,
         metadata: dict[str, Any] | None = None,
     ) -> HandoffResponse:
-        if not isinstance(reason, str):
-            raise InvalidRequest("reason must be a str")
-        if code is not None:
-            check_name(code, "rejection code")
-        if redirect_to is not None:
-            check_name(redirect_to, "agent id")
-        if retry_after_ms is not None and (type(retry_after_ms) is not int or retry_after_ms < 0):
-            raise InvalidRequest("retry_after_ms must be a non-negative int")
-        return await self._transition("reject", handoff_id, {
-            "reason": reason, "code": code, "retry": retry_after_ms, "redirect": redirect_to,
-            "rmeta": self._meta(metadata),
-        })
+        fields = rejection_fields(reason, code, retry_after_ms, redirect_to)
+        return await self._transition("reject", handoff_id, {**fields, "rmeta": self._meta(metadata)})
 
     async def complete_handoff(
         self, handoff_id: str, result: Any = None, *, metadata: dict[str, Any] | None = None
@@ -252,22 +256,17 @@ class HandoffClient:
         agent = check_name(agent_id or self.agent_id, "agent id")
         bus = self._bus
         handoff_ids = [h.decode() for h in await bus.redis.zrange(bus.keys.target(agent).queue, 0, -1)]
-        fields = (b"status", b"env", b"created", b"deadline")
-        rows: Sequence[Any] = []
-        if handoff_ids:
-            async with bus.redis.pipeline(transaction=False) as pipe:
-                for handoff_id in handoff_ids:
-                    requester, request_id = split_handoff_id(handoff_id)
-                    pipe.hmget(bus.keys.record(requester, request_id).record, fields)
-                rows = await pipe.execute()
+        rows = await bus.load_records(handoff_ids)
         now_ms = await bus.server_time_ms()
         pending = []
-        for handoff_id, (status, env, created, deadline) in zip(handoff_ids, rows, strict=True):
-            if status == b"PENDING" and int(deadline) > now_ms:
-                pending.append(PendingHandoff(
-                    handoff_id=handoff_id, request=bus.codec.loads(env, HandoffRequest),
-                    created_ms=int(created), deadline_ms=int(deadline),
-                ))
+        for handoff_id, row in zip(handoff_ids, rows, strict=True):
+            if row is None or row.status is not HandoffStatus.PENDING or row.deadline_ms <= now_ms:
+                continue
+            if row.request is None:
+                raise DecodeError(f"record of {handoff_id!r}: {row.error}")
+            pending.append(PendingHandoff(
+                handoff_id=handoff_id, request=row.request, created_ms=row.created_ms, deadline_ms=row.deadline_ms,
+            ))
         return pending
 
     async def list_agents(self) -> list[AgentInfo]:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
 from .codecs import PayloadCodec
-from .errors import DecodeError
+from .errors import DecodeError, HandoffbusError
 from .models import HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatus, HistoryEntry
 
-__all__ = ["RESPONSE_FIELDS", "record_from_hash", "response_from_fields", "response_from_reply"]
+__all__ = ["RESPONSE_FIELDS", "Loaded", "loaded_from_row", "record_from_hash", "response_from_fields",
+           "response_from_reply"]
 
 #: Order of the fields after the code in a transition script's reply (see lua/includes/record.lua).
 RESPONSE_FIELDS = (b"status", b"actor", b"ts", b"agent", b"reason", b"code", b"retry", b"redirect",
@@ -75,3 +76,33 @@ def record_from_hash(f: Mapping[bytes, bytes], codec: PayloadCodec) -> HandoffRe
         history=history,
         response=response_from_fields(handoff_id, response_fields, codec),
     )
+
+
+class Loaded(NamedTuple):
+    """What a worker (or a pending listing) reads of a record: status, request, the agent that
+    accepted it, its attempt, created and deadline times. ``error`` says why the record could
+    not be decoded (then ``request`` is None)."""
+
+    status: HandoffStatus
+    request: HandoffRequest | None
+    agent: str | None
+    attempt: int
+    created_ms: int = 0
+    deadline_ms: int = 0
+    error: str | None = None
+
+
+def loaded_from_row(row: Sequence[bytes | None], codec: PayloadCodec) -> Loaded | None:
+    """Decode a ``load`` script reply; None when the record is gone. Never raises for bad data."""
+    status, env, agent, attempt, created, deadline = row
+    if status is None:
+        return None
+    fields: dict[str, Any] = {
+        "agent": agent.decode() if agent else None, "attempt": int(attempt or 0),
+        "created_ms": int(created or 0), "deadline_ms": int(deadline or 0),
+    }
+    try:
+        return Loaded(status=HandoffStatus(status.decode()), request=codec.loads(env or b"", HandoffRequest),
+                      **fields)
+    except (HandoffbusError, ValueError) as exc:  # a poison record: reported, never raised
+        return Loaded(status=HandoffStatus.PENDING, request=None, error=f"{type(exc).__name__}: {exc}", **fields)

@@ -77,8 +77,10 @@ class Sweeper:
                 await flush()
         if batch:
             await flush()
-        for target, handoff_ids in by_target.items():
-            await bus.settle(target, handoff_ids)
+        if by_target:
+            for reply in await bus.scripts_many([bus.settle_call(t, ids) for t, ids in by_target.items()]):
+                if isinstance(reply, BaseException):
+                    raise reply
         return expired
 
     async def release_lease(self) -> None:

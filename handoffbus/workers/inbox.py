@@ -9,14 +9,13 @@ next ``take``, so a busy worker spends no extra round trip on it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from ..errors import HandoffbusError
 from ..keys import GROUP
-from ..models import HandoffRequest, HandoffStatus
-from ..names import check_name, split_handoff_id
+from ..names import check_name
+from ..records import Loaded
 
 if TYPE_CHECKING:
     from ..bus import HandoffBus
@@ -29,19 +28,6 @@ class Delivery(msgspec.Struct, frozen=True, kw_only=True):
 
     handoff_id: str
     entry_id: str
-
-
-class Loaded(NamedTuple):
-    """A taken handoff's record: status, request, the agent that accepted it, its attempt.
-
-    ``error`` says why the record could not be decoded (then ``request`` is None).
-    """
-
-    status: HandoffStatus
-    request: HandoffRequest | None
-    agent: str | None
-    attempt: int
-    error: str | None = None
 
 
 class Inbox:
@@ -72,26 +58,7 @@ class Inbox:
 
     async def load(self, handoff_ids: Sequence[str]) -> list[Loaded | None]:
         """What each taken handoff's record says (None where it is gone), in one round trip."""
-        if not handoff_ids:
-            return []
-        bus = self._bus
-        calls: list[tuple[str, list[str], list[Any]]] = []
-        for handoff_id in handoff_ids:
-            requester, request_id = split_handoff_id(handoff_id)
-            calls.append(("load", [bus.keys.record(requester, request_id).record], []))
-        rows: list[Any] = await bus.scripts_many(calls)
-        for row in rows:
-            if isinstance(row, BaseException):
-                raise row
-        return [None if row[0] is None else self._decode(*row) for row in rows]
-
-    def _decode(self, status: bytes, env: bytes | None, agent: bytes | None, attempt: bytes | None) -> Loaded:
-        owner, tries = (agent.decode() if agent else None), int(attempt or 0)
-        try:
-            return Loaded(HandoffStatus(status.decode()), self._bus.codec.loads(env or b"", HandoffRequest),
-                          owner, tries)
-        except (HandoffbusError, ValueError) as exc:  # a poison record: reported, never raised
-            return Loaded(HandoffStatus.PENDING, None, owner, tries, f"{type(exc).__name__}: {exc}")
+        return await self._bus.load_records(handoff_ids)
 
     async def dead_letter(self, delivery: Delivery, reason: str, deliveries: int, cap: int = 10_000) -> bytes:
         """Move a taken handoff to the dead-letter stream (acknowledged in the same step)."""

@@ -24,12 +24,14 @@ import msgspec
 from anyio.abc import TaskStatus
 from redis.exceptions import RedisError
 
+from ..client import rejection_fields
 from ..errors import InvalidRequest, InvalidTransition, LeaseLost, raise_for_code
 from ..keys import GROUP
 from ..models import TERMINAL, HandoffRequest, HandoffStatus
-from ..names import check_name, split_handoff_id
+from ..names import split_handoff_id
+from ..records import Loaded
 from .agent import Accept, Agent, AgentState, ReceivedHandoff, Reject
-from .inbox import Delivery, Inbox, Loaded
+from .inbox import Delivery, Inbox
 
 if TYPE_CHECKING:
     from ..bus import HandoffBus
@@ -353,12 +355,7 @@ class Worker:
             return Reject(reason=f"acceptance hook returned {type(decision).__name__}", code="HOOK_FAILED")
         if isinstance(decision, Reject):
             try:
-                check_name(decision.code, "rejection code") if decision.code is not None else None
-                check_name(decision.redirect_to, "agent id") if decision.redirect_to is not None else None
-                if decision.retry_after_ms is not None and (
-                    type(decision.retry_after_ms) is not int or decision.retry_after_ms < 0
-                ):
-                    raise InvalidRequest("retry_after_ms must be a non-negative int")
+                rejection_fields(decision.reason, decision.code, decision.retry_after_ms, decision.redirect_to)
             except InvalidRequest as exc:
                 return Reject(reason=f"acceptance hook returned an invalid Reject: {exc}", code="HOOK_FAILED")
         return decision
@@ -366,10 +363,8 @@ class Worker:
     async def _act(self, hid: str, request: HandoffRequest, decision: Accept | Reject) -> HandoffStatus:
         client, codec = self._client, self.bus.codec
         if isinstance(decision, Reject):
-            await client._transition("reject", hid, {
-                "reason": decision.reason, "code": decision.code, "retry": decision.retry_after_ms,
-                "redirect": decision.redirect_to,
-            }, settle=False)
+            fields = rejection_fields(decision.reason, decision.code, decision.retry_after_ms, decision.redirect_to)
+            await client._transition("reject", hid, fields, settle=False)
             return HandoffStatus.REJECTED
         meta = codec.dumps_value(decision.metadata) if decision.metadata else None
         await client._transition("accept", hid, {"rmeta": meta, "lease": self.consumer}, settle=False)
