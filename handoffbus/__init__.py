@@ -37,9 +37,20 @@ from .models import HandoffStatus as HandoffStatus
 from .models import HistoryEntry as HistoryEntry
 from .models import PendingHandoff as PendingHandoff
 from .models import WorkerInfo as WorkerInfo
+from .workers import Accept as Accept
+from .workers import Agent as Agent
+from .workers import AgentState as AgentState
+from .workers import ReceivedHandoff as ReceivedHandoff
+from .workers import Reject as Reject
+from .workers import RetryPolicy as RetryPolicy
+from .workers import Worker as Worker
+from .workers import serve_until_signalled as serve_until_signalled
 
 __all__ = [
+    "Accept",
+    "Agent",
     "AgentInfo",
+    "AgentState",
     "BusConfig",
     "ConversationEntry",
     "DeadLetter",
@@ -66,12 +77,17 @@ __all__ = [
     "PayloadCodec",
     "PayloadTooLarge",
     "PendingHandoff",
+    "ReceivedHandoff",
+    "Reject",
     "RequestConflict",
+    "RetryPolicy",
     "ServerUnsupported",
+    "Worker",
     "WorkerInfo",
     "context_json_schema",
     "deserialize_context",
     "serialize_context",
+    "serve_until_signalled",
 ]
 __version__ = "0.1.0"
 

@@ -112,6 +112,10 @@ class HandoffRecord(msgspec.Struct, frozen=True, kw_only=True):
     updated_ms: int
     history: tuple[HistoryEntry, ...]
     response: HandoffResponse
+    #: runs of the work so far (retries and takeovers of a crashed worker's handoff add one)
+    attempt: int = 1
+    #: the worker (consumer) holding an accepted handoff's work, if any
+    lease: str | None = None
 
     @property
     def terminal(self) -> bool:

@@ -75,6 +75,8 @@ def record_from_hash(f: Mapping[bytes, bytes], codec: PayloadCodec) -> HandoffRe
         updated_ms=int(f[b"updated"]),
         history=history,
         response=response_from_fields(handoff_id, response_fields, codec),
+        attempt=int(f.get(b"attempt", 1)),
+        lease=f[b"lease"].decode() if b"lease" in f else None,
     )
 
 

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 
+from .backoff import Backoff
 from .models import DECISIONS, TERMINAL, HandoffRecord, HandoffResponse, HandoffStatus
 from .records import response_from_fields
 
@@ -133,20 +133,20 @@ class ResponseReader:
     async def _run(self) -> None:
         redis = self._bus.redis
         block_ms = int(self._bus.config.read_block * 1000)
-        backoff = 0.05
+        backoff = Backoff(cap=2.0)
         while True:
             assert self._cursor is not None
             try:
                 reply = await redis.xread({self._stream: self._cursor}, count=512, block=block_ms)
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                log.warning("response reader for %s lost its connection (%s); retrying", self._agent, exc)
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+            except (RedisError, OSError) as exc:
+                # connection lost, server restarted, or a failover's UNBLOCKED/READONLY/LOADING
+                log.warning("response reader for %s: %s; retrying", self._agent, exc)
+                await anyio.sleep(backoff.delay())
                 try:
                     await self._resync()
-                except (RedisConnectionError, RedisTimeoutError, OSError):
+                except (RedisError, OSError):
                     continue
-                backoff = 0.05
+                backoff.reset()
                 continue
             for _stream, entries in reply or ():
                 for entry_id, fields in entries:

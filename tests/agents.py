@@ -7,8 +7,8 @@ from typing import Any
 
 import anyio
 
-from handoffbus import HandoffRequest
-from handoffbus.workers import Accept, Agent, ReceivedHandoff, Reject
+from handoffbus import HandoffRequest, LeaseLost
+from handoffbus.workers import Accept, Agent, ReceivedHandoff, Reject, RetryPolicy
 
 
 class Echo(Agent):
@@ -115,3 +115,45 @@ class Quick(Agent):
     async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
         self.seen.append((handoff.handoff_id, handoff.attempt))
         return {"attempt": handoff.attempt, "by": "quick"}
+
+
+class Flaky(Agent):
+    """Raises on its first ``fails`` runs of each handoff, then succeeds (retried per policy)."""
+
+    agent_id = "flaky-1"
+    retry = RetryPolicy(attempts=3, delay=0.0)
+
+    def __init__(self, fails: int = 2, error: type[Exception] = ConnectionError) -> None:
+        super().__init__()
+        self.fails = fails
+        self.error = error
+        self.attempts: list[int] = []
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        self.attempts.append(handoff.attempt)
+        if len(self.attempts) <= self.fails:
+            raise self.error(f"transient failure {len(self.attempts)}")
+        return {"attempt": handoff.attempt}
+
+
+class Beating(Agent):
+    """Renews its hold between steps; ``taken`` is set once the handler learned it lost it."""
+
+    agent_id = "beating-1"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = anyio.Event()
+        self.proceed = anyio.Event()
+        self.lost: list[str] = []
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        await handoff.heartbeat()  # held: returns quietly
+        self.started.set()
+        await self.proceed.wait()
+        try:
+            await handoff.heartbeat()
+        except LeaseLost as exc:
+            self.lost.append(exc.holder)
+            raise
+        return "finished"

@@ -18,16 +18,17 @@ accepts the rest.
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Sequence
+import random
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar
 
 import msgspec
 
 from ..context import HandoffContext, deserialize_context
-from ..errors import HandoffbusError
+from ..errors import HandoffbusError, InvalidRequest
 from ..models import HandoffRequest
 
-__all__ = ["Accept", "Agent", "AgentState", "ReceivedHandoff", "Reject"]
+__all__ = ["Accept", "Agent", "AgentState", "ReceivedHandoff", "Reject", "RetryPolicy"]
 
 
 class AgentState(enum.StrEnum):
@@ -51,27 +52,77 @@ class Reject(msgspec.Struct, frozen=True, kw_only=True):
     redirect_to: str | None = None
 
 
+class RetryPolicy(msgspec.Struct, frozen=True, kw_only=True):
+    """What happens when ``on_handoff_received`` raises: run it again after a backoff, up to
+    ``attempts`` runs in all, then the handoff ends FAILED with the last error.
+
+    Runs cut short by a crashed worker count too (the record's attempt number is the one
+    counter), so a handler that kills its process cannot be retried forever. Only exceptions
+    that are instances of ``retry_on`` are retried; anything else fails at once.
+    """
+
+    attempts: int = 1
+    delay: float = 1.0
+    backoff: float = 2.0
+    max_delay: float = 60.0
+    #: each delay is scaled by a random factor in [1 - jitter, 1] so retries do not march in step
+    jitter: float = 0.5
+    retry_on: tuple[type[BaseException], ...] = (Exception,)
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise InvalidRequest("RetryPolicy.attempts must be at least 1")
+        if self.delay < 0 or self.max_delay < 0 or self.backoff < 1 or not 0 <= self.jitter <= 1:
+            raise InvalidRequest("RetryPolicy needs delay, max_delay >= 0, backoff >= 1 and 0 <= jitter <= 1")
+
+    def should_retry(self, attempt: int, exc: BaseException) -> bool:
+        return attempt < self.attempts and isinstance(exc, self.retry_on)
+
+    def delay_before(self, attempt: int) -> float:
+        """Seconds to wait before the run after ``attempt``."""
+        base = min(self.max_delay, self.delay * self.backoff ** (attempt - 1))
+        return base * (1 - self.jitter * random.random())
+
+
+async def _no_heartbeat() -> None:
+    return None
+
+
 class ReceivedHandoff(msgspec.Struct, frozen=True, kw_only=True):
     """An accepted handoff as ``on_handoff_received`` gets it.
 
     ``context`` is the decoded sw4rm context, or None when the request carried none (or bytes
-    in another format: ``request.context_snapshot`` has them as sent).
+    in another format: ``request.context_snapshot`` has them as sent). ``attempt`` counts the
+    runs of this handoff's work (it rises on a retry and when a crashed worker's handoff is
+    taken over): handlers must be idempotent.
     """
 
     handoff_id: str
     request: HandoffRequest
     context: HandoffContext | None
     attempt: int = 1
+    renew: Callable[[], Awaitable[None]] = _no_heartbeat
 
     @classmethod
-    def of(cls, handoff_id: str, request: HandoffRequest, attempt: int = 1) -> ReceivedHandoff:
+    def of(
+        cls, handoff_id: str, request: HandoffRequest, attempt: int = 1,
+        renew: Callable[[], Awaitable[None]] = _no_heartbeat,
+    ) -> ReceivedHandoff:
         context = None
         if request.context_snapshot is not None:
             try:
                 context = deserialize_context(request.context_snapshot)
             except HandoffbusError:
                 context = None
-        return cls(handoff_id=handoff_id, request=request, context=context, attempt=attempt)
+        return cls(handoff_id=handoff_id, request=request, context=context, attempt=attempt, renew=renew)
+
+    async def heartbeat(self) -> None:
+        """Renew this worker's hold on the handoff now, and check it still has it.
+
+        The worker already renews every running handoff in the background; a handler calls
+        this to learn early that it was taken over (``LeaseLost``), e.g. between long steps.
+        """
+        await self.renew()
 
 
 class Agent:
@@ -79,6 +130,8 @@ class Agent:
 
     agent_id: ClassVar[str]
     capabilities: ClassVar[Sequence[str]] = ()
+    #: how a raising ``on_handoff_received`` is retried before the handoff ends FAILED
+    retry: ClassVar[RetryPolicy] = RetryPolicy()
 
     def __init__(self) -> None:
         #: the agent's own availability (sw4rm): the default acceptance refuses unless RUNNABLE
@@ -94,5 +147,6 @@ class Agent:
         return Accept()
 
     def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
-        """Do the work; the return value becomes the COMPLETED result, raising makes it FAILED."""
+        """Do the work; the return value becomes the COMPLETED result. Raising retries it per
+        ``retry``, then makes it FAILED."""
         raise NotImplementedError(f"{type(self).__name__} does not implement on_handoff_received")

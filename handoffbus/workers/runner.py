@@ -24,6 +24,7 @@ import msgspec
 from anyio.abc import TaskStatus
 from redis.exceptions import RedisError
 
+from ..backoff import Backoff
 from ..client import rejection_fields
 from ..errors import InvalidRequest, InvalidTransition, LeaseLost, raise_for_code
 from ..keys import GROUP
@@ -261,7 +262,7 @@ class Worker:
         return {row["message_id"].decode(): int(row["times_delivered"]) for row in rows}
 
     async def _fetch_loop(self, handlers: anyio.abc.TaskGroup) -> None:
-        backoff = 0.05
+        backoff = Backoff()
         while not self._draining:
             free = self.concurrency - self._active
             if free <= 0:
@@ -280,11 +281,12 @@ class Worker:
                 loaded = await self._inbox.load([d.handoff_id for d in taken])
             except (RedisError, OSError) as exc:
                 self._done = done + self._done  # settle them next time
-                log.warning("%s: Redis unavailable (%s); retrying in %.2fs", self.consumer, exc, backoff)
-                await anyio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                # connection lost, server restarting, or a failover's UNBLOCKED/READONLY/LOADING
+                delay = backoff.delay()
+                log.warning("%s: Redis unavailable (%s); retrying in %.2fs", self.consumer, exc, delay)
+                await anyio.sleep(delay)
                 continue
-            backoff = 0.05
+            backoff.reset()
             for delivery, row in zip(taken, loaded, strict=True):
                 self._active += 1
                 handlers.start_soon(self._handle, delivery, row)
@@ -335,11 +337,13 @@ class Worker:
                 self._give_back.append((hid, row.request.priority))
             self._changed.set()
 
-    async def _take_over(self, hid: str) -> int:
+    async def _take_over(self, hid: str, *, retry: bool = False) -> int:
+        """Hold the handoff's lease for a new run of its work; returns the attempt number.
+        A takeover moves the lease from a stopped worker; a retry requires holding it."""
         requester, request_id = split_handoff_id(hid)
         reply = await self.bus.script(
             "reclaim", self.bus.keys.record(requester, request_id).as_list(),
-            [hid, request_id, self.agent.agent_id, self.consumer],
+            [hid, request_id, self.agent.agent_id, self.consumer, self.consumer if retry else ""],
         )
         if int(reply[0]) < 0:
             raise_for_code(int(reply[0]), hid, self.agent.agent_id, "reclaim", reply[1] if len(reply) > 1 else None)
@@ -371,18 +375,43 @@ class Worker:
         return await self._work(hid, request, 1)
 
     async def _work(self, hid: str, request: HandoffRequest, attempt: int) -> HandoffStatus:
-        """Run the work hook and record its outcome under this worker's lease."""
-        client, codec = self._client, self.bus.codec
-        try:
-            result = await _call(self.agent.on_handoff_received, ReceivedHandoff.of(hid, request, attempt))
-        except Exception as exc:
-            log.exception("%s: handler failed for %s", self.consumer, hid)
-            await client._transition("fail", hid, {"error": f"{type(exc).__name__}: {exc}", "lease": self.consumer},
-                                     settle=False)
-            return HandoffStatus.FAILED
+        """Run the work hook (retried per the agent's policy) and record its outcome under
+        this worker's lease."""
+        client, codec, policy = self._client, self.bus.codec, self.agent.retry
+
+        async def renew() -> None:
+            await self._renew(hid)
+
+        while True:
+            try:
+                result = await _call(self.agent.on_handoff_received, ReceivedHandoff.of(hid, request, attempt, renew))
+                break
+            except LeaseLost:
+                raise
+            except Exception as exc:
+                if not policy.should_retry(attempt, exc):
+                    log.exception("%s: handler failed for %s (attempt %d)", self.consumer, hid, attempt)
+                    error = f"{type(exc).__name__}: {exc}"
+                    await client._transition("fail", hid, {"error": error, "lease": self.consumer}, settle=False)
+                    return HandoffStatus.FAILED
+                delay = policy.delay_before(attempt)
+                log.warning("%s: handler failed for %s (attempt %d: %s); retrying in %.2fs",
+                            self.consumer, hid, attempt, exc, delay)
+            await anyio.sleep(delay)  # the retry backoff (a stop meanwhile leaves it pending)
+            attempt = await self._take_over(hid, retry=True)
         packed = None if result is None else codec.dumps_value(result)
         await client._transition("complete", hid, {"result": packed, "lease": self.consumer}, settle=False)
         return HandoffStatus.COMPLETED
+
+    async def _renew(self, hid: str) -> None:
+        """A handler's own heartbeat: refresh its inbox entry, then confirm the lease is still ours."""
+        entry = self._entries.get(hid)
+        requester, request_id = split_handoff_id(hid)
+        if entry is not None:
+            await self.bus.redis.xclaim(self._inbox_key, GROUP, self.consumer, 0, [entry], justid=True)
+        holder = await self.bus.redis.hget(self.bus.keys.record(requester, request_id).record, "lease")
+        if holder != self.consumer.encode():
+            raise LeaseLost(hid, (holder or b"").decode())
 
 
 async def serve_until_signalled(workers: list[Worker]) -> None:

@@ -1,0 +1,27 @@
+"""Backoff for the loops that must outlive a Redis outage, failover or restart."""
+
+from __future__ import annotations
+
+import random
+
+__all__ = ["Backoff"]
+
+
+class Backoff:
+    """Exponential delays with jitter: each wait is drawn from [d/2, d] and d doubles up to
+    ``cap``, so a fleet of workers that lost the same server does not reconnect in step."""
+
+    def __init__(self, first: float = 0.05, cap: float = 5.0) -> None:
+        self.first = first
+        self.cap = cap
+        self._next = first
+
+    def delay(self) -> float:
+        """The next wait, in seconds."""
+        current = self._next
+        self._next = min(self._next * 2, self.cap)
+        return current * (0.5 + random.random() / 2)
+
+    def reset(self) -> None:
+        """Call after a success: the next failure waits ``first`` again."""
+        self._next = self.first

@@ -1,0 +1,124 @@
+"""Failover errors under running workers and waiting requesters: UNBLOCKED and READONLY are
+survived (backoff with jitter), and work resumes without anyone restarting anything."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterator
+
+import anyio
+import pytest
+import redis.asyncio as aioredis
+
+from handoffbus import EmbeddedServer, HandoffBus, HandoffStatus, Worker
+
+from .agents import Echo
+from .conftest import SERVER_BINARIES, start_server
+from .helpers import req
+
+pytestmark = pytest.mark.anyio
+
+
+class LogSeen(logging.Handler):
+    """Sets an event once the handoffbus logger reports each expected text."""
+
+    def __init__(self, *texts: str) -> None:
+        super().__init__(logging.WARNING)
+        self.events = {text: anyio.Event() for text in texts}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        for text, event in self.events.items():
+            if text in message:
+                event.set()
+
+
+@pytest.fixture
+def watch_log() -> Iterator[type[LogSeen]]:
+    logger = logging.getLogger("handoffbus")
+    added: list[LogSeen] = []
+
+    class Attached(LogSeen):
+        def __init__(self, *texts: str) -> None:
+            super().__init__(*texts)
+            logger.addHandler(self)
+            added.append(self)
+
+    yield Attached
+    for handler in added:
+        logger.removeHandler(handler)
+
+
+@pytest.fixture(params=list(SERVER_BINARIES))
+def own_server(request: pytest.FixtureRequest) -> Iterator[EmbeddedServer]:
+    """A server of the test's own: it is demoted to a replica and back."""
+    server = start_server(SERVER_BINARIES[request.param])
+    yield server
+    server.stop()
+
+
+def unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def blocked_clients(admin: aioredis.Redis, count: int) -> list[int]:
+    """Ids of clients blocked in a command, once there are ``count`` of them."""
+    with anyio.fail_after(10):
+        while True:
+            clients = await admin.client_list()
+            blocked = [int(c["id"]) for c in clients if "b" in c["flags"]]
+            if len(blocked) >= count:
+                return blocked
+            await anyio.sleep(0.01)  # polling the server's client list: it has no change event
+
+
+async def test_unblocked_readers_carry_on(own_server: EmbeddedServer, watch_log: type[LogSeen]) -> None:
+    seen = watch_log("UNBLOCKED")
+    admin = aioredis.Redis(unix_socket_path=str(own_server.socket_path))
+    async with HandoffBus.connect(own_server.url, read_block=30.0) as bus, anyio.create_task_group() as tg:
+        worker = Worker(bus, Echo(), block=30.0)
+        await tg.start(worker.run)
+        client = bus.client("req")
+        first = await client.request_handoff(req("req", "echo-1", reason="before"))
+        with anyio.fail_after(10):
+            assert (await first.outcome()).status is HandoffStatus.COMPLETED
+        # the worker waits on its doorbell, the requester's reader on its responses: both blocked
+        for client_id in await blocked_clients(admin, 2):
+            assert await admin.client_unblock(client_id, error=True)
+        with anyio.fail_after(10):
+            await seen.events["UNBLOCKED"].wait()
+        second = await client.request_handoff(req("req", "echo-1", reason="after"))
+        with anyio.fail_after(10):
+            outcome = await second.outcome()
+        assert outcome.status is HandoffStatus.COMPLETED and outcome.result["echo"] == "after"
+        worker.drain()
+    await admin.aclose()
+
+
+async def test_readonly_after_demotion_then_resume(own_server: EmbeddedServer, watch_log: type[LogSeen]) -> None:
+    seen = watch_log("read only replica")
+    admin = aioredis.Redis(unix_socket_path=str(own_server.socket_path))
+    async with HandoffBus.connect(own_server.url) as bus, anyio.create_task_group() as tg:
+        worker = Worker(bus, Echo(), block=0.1)
+        await tg.start(worker.run)
+        client = bus.client("req")
+        first = await client.request_handoff(req("req", "echo-1", reason="before"))
+        with anyio.fail_after(10):
+            assert (await first.outcome()).status is HandoffStatus.COMPLETED
+        # a failover demotes the server: its master is unreachable, so it keeps its data
+        await admin.execute_command("REPLICAOF", "127.0.0.1", unused_port())
+        try:
+            with anyio.fail_after(10):
+                await seen.events["read only replica"].wait()  # the worker's next take was refused
+        finally:
+            await admin.execute_command("REPLICAOF", "NO", "ONE")
+        second = await client.request_handoff(req("req", "echo-1", reason="after"))
+        with anyio.fail_after(10):
+            outcome = await second.outcome()
+        assert outcome.status is HandoffStatus.COMPLETED and outcome.result["echo"] == "after"
+        worker.drain()
+    assert worker.handled == {HandoffStatus.COMPLETED: 2}
+    await admin.aclose()

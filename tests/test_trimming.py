@@ -1,0 +1,59 @@
+"""Streams stay bounded: responses are trimmed by age, inbox entries leave only when settled,
+and an unacknowledged entry is never deleted."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from handoffbus import HandoffStatus, Worker
+
+from .agents import Gated
+from .conftest import make_bus
+from .helpers import req
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_response_stream_is_trimmed_by_age_and_outcomes_stay_readable(
+    real_backend: str, servers: dict
+) -> None:
+    async with make_bus(real_backend, servers, response_retention=0.001) as bus:
+        client, target = bus.client("req"), bus.client("echo-1")
+        handles = [await client.request_handoff(req("req", "echo-1", reason=f"r{i}")) for i in range(300)]
+        for handle in handles:
+            await target.accept_handoff(handle.handoff_id)
+            await target.complete_handoff(handle.handoff_id, result=handle.request_id)
+        responses = await bus.redis.xlen(bus.keys.responses("req"))
+        # 600 responses were written; whole stream nodes older than the retention are gone
+        assert responses < 300
+        # the outcome of a trimmed response is still on its record
+        with anyio.fail_after(10):
+            first = await handles[0].outcome()
+        assert first.status is HandoffStatus.COMPLETED and first.result == handles[0].request_id
+
+
+async def test_inbox_holds_exactly_the_unacknowledged_entries(real_backend: str, servers: dict) -> None:
+    async with make_bus(real_backend, servers) as bus:
+        client = bus.client("req")
+        inbox = bus.keys.target("gated-1").inbox
+        agent = Gated()
+        agent.want = 6
+        handles = [await client.request_handoff(req("req", "gated-1", reason=f"r{i}")) for i in range(40)]
+        async with anyio.create_task_group() as tg:
+            worker = Worker(bus, agent, concurrency=6)
+            await tg.start(worker.run)
+            with anyio.fail_after(10):
+                await agent.reached.wait()
+            # six in hand, unacknowledged: all six entries are in the stream, and nothing else
+            pending = await bus.redis.xpending(inbox, "workers")
+            assert pending["pending"] == 6 and await bus.redis.xlen(inbox) == 6
+            agent.gate.set()
+            with anyio.fail_after(30):
+                outcomes = [await h.outcome() for h in handles]
+            worker.drain()
+        assert {o.status for o in outcomes} == {HandoffStatus.COMPLETED}
+        # every entry was settled (acknowledged, then deleted): the inbox is empty again
+        assert (await bus.redis.xpending(inbox, "workers"))["pending"] == 0
+        assert await bus.redis.xlen(inbox) == 0
+        assert await bus.redis.xlen(bus.keys.target("gated-1").bell) == 1
