@@ -1,0 +1,252 @@
+"""Worker-process benchmark: handoffs served by real `handoffbus worker` processes.
+
+    python benchmarks/bench_workers.py [--url URL] [--processes 1,4] [--n 5000] [--inflight 100]
+                                       [--concurrency 64] [--payload 1024] [--rounds 1]
+                                       [--json benchmarks/results/workers.json]
+
+Without ``--url`` an EmbeddedServer is started (unix socket) and stopped afterwards.
+
+For each process count P: start P ``handoffbus worker bench_workers:BenchEcho`` processes
+(each with ``--concurrency``), wait until all P have registered, warm up, then run ``--n``
+handoffs (request -> the worker's acceptance hook -> work hook -> COMPLETED) from
+``--inflight`` requester tasks in this process, each awaiting decision and outcome. Then
+SIGTERM every worker and check it exits 0. Reports handoffs/s, decision and outcome
+latency, CPU per handoff in this process, the workers and the server, and the ratio to the
+bare and batched streams loops of bench_core.py run in this same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import anyio
+import redis
+import redis.asyncio as aioredis
+from anyio.abc import Process
+from bench_core import (
+    _loadavg,
+    _nothing,
+    ceiling_round,
+    latency_ms,
+    median_run,
+    padded_context,
+    server_cpu,
+    server_info,
+)
+
+from handoffbus import EmbeddedServer, HandoffBus, HandoffRequest, HandoffStatus
+from handoffbus.workers import Agent, ReceivedHandoff
+
+HERE = Path(__file__).resolve().parent
+REQUESTER = "bench-req"
+
+
+class BenchEcho(Agent):
+    """The served agent: sw4rm's default acceptance, a trivial work hook."""
+
+    agent_id = "bench-worker"
+    capabilities = ["echo"]
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        return {"ok": True, "attempt": handoff.attempt}
+
+
+def process_cpu_s(pid: int) -> float:
+    """user + system CPU seconds of a child process, from /proc (0.0 where unavailable)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def start_workers(url: str, prefix: str, count: int, concurrency: int) -> list[Process]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get(
+        "PYTHONPATH", "")])}
+    procs = []
+    for _ in range(count):
+        procs.append(await anyio.open_process(
+            [sys.executable, "-m", "handoffbus", "worker", "bench_workers:BenchEcho", "--redis-url", url,
+             "--prefix", prefix, "--concurrency", str(concurrency)],
+            cwd=HERE, env=env, stderr=None,
+        ))
+    for proc in procs:  # each prints one "worker ... serving" line once it has joined
+        assert proc.stdout is not None
+        with anyio.fail_after(60):
+            banner = await proc.stdout.receive()
+        if b"serving" not in banner:
+            raise RuntimeError(f"worker did not start: {banner!r}")
+    return procs
+
+
+async def stop_workers(procs: list[Process]) -> list[int]:
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    codes = []
+    for proc in procs:
+        with anyio.fail_after(60):
+            codes.append(await proc.wait())
+        await proc.aclose()
+    return codes
+
+
+async def handoff_round(bus: HandoffBus, n: int, inflight: int, context: bytes) -> dict[str, Any]:
+    requester = bus.client(REQUESTER)
+    decision_lat: list[float] = []
+    outcome_lat: list[float] = []
+    problems: Counter[str] = Counter()
+    issued = 0
+
+    async def request_loop() -> None:
+        nonlocal issued
+        while issued < n:
+            issued += 1
+            t0 = time.perf_counter()
+            handle = await requester.request_handoff(HandoffRequest(
+                from_agent=REQUESTER, to_agent=BenchEcho.agent_id, reason="bench", context_snapshot=context,
+                capabilities_required=["echo"], timeout=60,
+            ))
+            decision = await handle.decision()
+            t1 = time.perf_counter()
+            outcome = await handle.outcome()
+            t2 = time.perf_counter()
+            decision_lat.append(t1 - t0)
+            outcome_lat.append(t2 - t0)
+            if decision.status is not HandoffStatus.ACCEPTED or outcome.status is not HandoffStatus.COMPLETED:
+                problems[f"{decision.status}/{outcome.status}"] += 1
+
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for _ in range(min(inflight, n)):
+            tg.start_soon(request_loop)
+    elapsed = time.perf_counter() - t0
+    return {"n": n, "seconds": round(elapsed, 4), "handoffs_per_s": round(n / elapsed, 1),
+            "decision_ms": latency_ms(decision_lat), "outcome_ms": latency_ms(outcome_lat),
+            "problems": dict(problems)}
+
+
+async def measure_processes(
+    url: str, stats: aioredis.Redis, count: int, args: argparse.Namespace, context: bytes
+) -> dict[str, Any]:
+    prefix = f"benchw{os.getpid()}p{count}"
+    async with HandoffBus.connect(url, prefix=prefix) as bus:
+        procs = await start_workers(url, prefix, count, args.concurrency)
+        try:
+            await handoff_round(bus, args.warmup, args.inflight, context)
+            runs = []
+            for _ in range(args.rounds):
+                workers0 = sum(process_cpu_s(p.pid) for p in procs)
+                server0, client0 = await server_cpu(stats), time.process_time()
+                result = await handoff_round(bus, args.n, args.inflight, context)
+                client1, server1 = time.process_time(), await server_cpu(stats)
+                workers1 = sum(process_cpu_s(p.pid) for p in procs)
+                result["cpu_us_per_handoff"] = {
+                    "requester": round((client1 - client0) / args.n * 1e6, 1),
+                    "workers": round((workers1 - workers0) / args.n * 1e6, 1),
+                    "server": round((server1 - server0) / args.n * 1e6, 1),
+                }
+                runs.append(result)
+        finally:
+            with anyio.CancelScope(shield=True):
+                codes = await stop_workers(procs)
+                if args.url is not None:
+                    await bus.clear(confirm=prefix)
+    best = median_run(runs, "handoffs_per_s")
+    return {**best, "processes": count, "exit_codes": codes,
+            "rounds_handoffs_per_s": [r["handoffs_per_s"] for r in runs]}
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    context = padded_context(args.payload)
+    async with EmbeddedServer() if args.url is None else _nothing() as server:
+        url = args.url or server.url
+        stats = aioredis.Redis.from_url(url)
+        raw = aioredis.Redis.from_url(url, max_connections=2 * args.inflight + 32)
+        try:
+            desc = await server_info(stats)
+            base = f"benchw{os.getpid()}:raw"
+            await ceiling_round(raw, args.warmup, args.inflight, args.payload, base, batched=False)
+            bare = median_run([await ceiling_round(raw, args.n, args.inflight, args.payload, base, batched=False)
+                               for _ in range(args.rounds)], "msgs_per_s")
+            batched = median_run([await ceiling_round(raw, args.n, args.inflight, args.payload, base)
+                                  for _ in range(args.rounds)], "msgs_per_s")
+            results = [await measure_processes(url, stats, count, args, context) for count in args.processes]
+        finally:
+            await raw.aclose()
+            await stats.aclose()
+    for r in results:
+        r["ratio_to_bare"] = round(r["handoffs_per_s"] / bare["msgs_per_s"], 4)
+        r["ratio_to_batched"] = round(r["handoffs_per_s"] / batched["msgs_per_s"], 4)
+    return {
+        "config": {"url": args.url or "embedded (unix socket)", "n": args.n, "inflight": args.inflight,
+                   "concurrency_per_process": args.concurrency, "payload": args.payload,
+                   "context_bytes": len(context), "warmup": args.warmup, "rounds": args.rounds},
+        "environment": {**desc, "python": platform.python_version(), "redis_py": redis.__version__,
+                        "cpus": os.cpu_count(), "loadavg_after": _loadavg()},
+        "bare_ceiling": bare, "batched_ceiling": batched, "workers": results,
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    cfg, env = result["config"], result["environment"]
+    lines = [
+        f"server      {env['server']} {env['version']}, {cfg['url']}; {env['cpus']} CPUs",
+        f"config      n {cfg['n']}, inflight {cfg['inflight']}, concurrency {cfg['concurrency_per_process']}"
+        f"/process, context {cfg['context_bytes']} B, rounds {cfg['rounds']} (median shown)",
+        f"bare loop   {result['bare_ceiling']['msgs_per_s']:>9,.0f} msgs/s",
+        f"batched     {result['batched_ceiling']['msgs_per_s']:>9,.0f} msgs/s",
+    ]
+    for r in result["workers"]:
+        cpu = r["cpu_us_per_handoff"]
+        lines.append(
+            f"{r['processes']} process{'es' if r['processes'] > 1 else '  '} {r['handoffs_per_s']:>9,.0f} handoffs/s"
+            f"  ({r['ratio_to_bare']:.1%} of bare, {r['ratio_to_batched']:.1%} of batched)"
+            f"  decision p50/p99 {r['decision_ms']['p50']:.1f}/{r['decision_ms']['p99']:.1f} ms"
+            f"  outcome p50/p99 {r['outcome_ms']['p50']:.1f}/{r['outcome_ms']['p99']:.1f} ms"
+            f"  CPU us/handoff: requester {cpu['requester']:.0f}, workers {cpu['workers']:.0f},"
+            f" server {cpu['server']:.0f}  exit codes {r['exit_codes']}"
+            + (f"  PROBLEMS {r['problems']}" if r["problems"] else "")
+        )
+    if env.get("loadavg_after"):
+        lines.append("load avg    " + " ".join(f"{x:.2f}" for x in env["loadavg_after"]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--url", help="server to use (default: start an EmbeddedServer on a unix socket)")
+    parser.add_argument("--processes", default="1,4", help="worker process counts to run (default 1,4)")
+    parser.add_argument("--n", type=int, default=5000, help="measured handoffs per run (default 5000)")
+    parser.add_argument("--inflight", type=int, default=100, help="outstanding handoffs (default 100)")
+    parser.add_argument("--concurrency", type=int, default=64, help="--concurrency of each worker (default 64)")
+    parser.add_argument("--payload", type=int, default=1024, help="context bytes (default 1024)")
+    parser.add_argument("--warmup", type=int, default=1000, help="warm-up handoffs per run (default 1000)")
+    parser.add_argument("--rounds", type=int, default=1, help="measured rounds per run; the median is shown")
+    parser.add_argument("--json", default="benchmarks/results/workers.json", help="where to write the results")
+    args = parser.parse_args(argv)
+    try:
+        args.processes = [int(p) for p in args.processes.split(",")]
+    except ValueError:
+        parser.error("--processes takes a comma-separated list of counts, e.g. 1,4")
+    if min(args.processes) <= 0 or args.n <= 0 or args.inflight <= 0 or args.rounds <= 0 or args.concurrency <= 0:
+        parser.error("--processes, --n, --inflight, --concurrency and --rounds must be positive")
+    result = anyio.run(run, args, backend="asyncio")
+    print(render(result))
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
