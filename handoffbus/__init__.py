@@ -36,6 +36,7 @@ from .models import HandoffResponse as HandoffResponse
 from .models import HandoffStatus as HandoffStatus
 from .models import HistoryEntry as HistoryEntry
 from .models import PendingHandoff as PendingHandoff
+from .models import RouteStep as RouteStep
 from .models import WorkerInfo as WorkerInfo
 from .workers import Accept as Accept
 from .workers import Agent as Agent
@@ -81,6 +82,7 @@ __all__ = [
     "Reject",
     "RequestConflict",
     "RetryPolicy",
+    "RouteStep",
     "ServerUnsupported",
     "Worker",
     "WorkerInfo",

@@ -21,6 +21,7 @@ from .keys import GROUP, Keys
 from .models import HandoffRecord
 from .names import split_handoff_id
 from .records import Loaded, loaded_from_row, record_from_hash
+from .routing import Router
 from .scripts import Scripts
 from .sweeper import Sweeper
 from .waiters import ResponseReader, Waiter
@@ -69,6 +70,7 @@ class HandoffBus:
         self._tg: TaskGroup | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._readers: dict[str, ResponseReader] = {}
+        self.router = Router(self)
         self._known_requesters: set[str] = set()
         self._known_targets: set[str] = set()
         self.sweeper = Sweeper(self)

@@ -22,17 +22,16 @@ from .models import (
     HandoffResponse,
     HandoffStatus,
     PendingHandoff,
-    WorkerInfo,
 )
 from .names import check_name, check_names, join_handoff_id, split_handoff_id
 from .records import response_from_reply
+from .routing import Directory, Reroute, capability_set, refusal_response
 from .waiters import Waiter
 
 if TYPE_CHECKING:
     from .bus import HandoffBus
 
 _canonical = msgspec.msgpack.Encoder(order="sorted")
-_worker_info = msgspec.json.Decoder(WorkerInfo)
 
 
 def rejection_fields(
@@ -104,8 +103,12 @@ class HandoffClient:
             request, to_agent=to_agent, capabilities_required=caps, request_id=request_id, timeout=float(timeout)
         )
 
-    async def request_handoff(self, request: HandoffRequest) -> HandoffHandle:
+    async def request_handoff(self, request: HandoffRequest, *, fail_fast: bool = False) -> HandoffHandle:
         """Create a handoff (or re-attach to the one with this request id) and return its handle.
+
+        A request without ``to_agent`` is routed by ``capabilities_required`` (docs/routing.md).
+        With no capable agent live it waits for one until its deadline; ``fail_fast=True``
+        makes it REJECTED (code ``NO_CAPABLE_AGENT``) at once instead.
 
         Two idempotent scripts, sent in this order in one round trip: the record in this agent's
         slot, then the target's queue. A crash between them leaves a PENDING record that a retry
@@ -121,15 +124,19 @@ class HandoffClient:
         reader = bus.reader(self.agent_id, self._refresh)
         waiter = reader.watch(handoff_id)
         assert request.timeout is not None
+        caps = capability_set(request.capabilities_required)
         calls = [("request", keys.as_list(), [
             handoff_id, request.request_id, self.agent_id, request.to_agent, int(request.timeout * 1000),
             envelope, bus.config.retention_ms, bus.config.response_retention_ms, fingerprint,
+            caps, request.priority, int(bus.config.route_guard * 1000),
         ])]
         if request.to_agent:
             # the enqueue runs right after the record exists; for a resubmission it finds the
             # handoff queued or in flight (a no-op), or queues a decided one, taken back below
             await bus.register_target(request.to_agent)
             calls.append(bus.enqueue_call(request.to_agent, handoff_id, request.priority))
+        else:
+            calls += await self._route_calls(handoff_id, caps, request, fail_fast)
         replies = await bus.scripts_many(calls)
         for failed in replies:
             if isinstance(failed, BaseException):
@@ -152,6 +159,21 @@ class HandoffClient:
         if status is not HandoffStatus.PENDING:
             await self._refresh(waiter)
         return HandoffHandle(self, waiter)
+
+    async def _route_calls(
+        self, handoff_id: str, caps: str, request: HandoffRequest, fail_fast: bool
+    ) -> list[tuple[str, list[str], list[Any]]]:
+        """What routes a new request, sent right after its record: into its capability set's
+        queue, ringing the least loaded capable agents; or, failing fast, straight to REJECTED."""
+        router = self._bus.router
+        candidates = Directory.capable(await router.directory.agents(max_age=0 if fail_fast else 1.0), caps)
+        if fail_fast and not candidates:
+            return [router.unroutable_call(handoff_id, [])]
+        await router.register_set(caps)
+        assert request.timeout is not None
+        deadline = f"+{int(request.timeout * 1000)}"  # counted by the route script: a few ms after the record's
+        return [router.route_call(caps, handoff_id, request.priority, deadline),
+                *router.ring_calls(candidates, handoff_id)]
 
     def handle(self, handoff_id: str) -> HandoffHandle:
         """A handle on a handoff this agent requested earlier (in this process or another)."""
@@ -189,8 +211,15 @@ class HandoffClient:
         for key, value in fields.items():
             if value is not None:
                 args += [key, value]
+        if name == "reject":
+            args += ["guard", int(bus.config.route_guard * 1000)]
         reply = await bus.script(name, bus.keys.record(requester, request_id).as_list(), args)
         code = int(reply[0])
+        if code == 2:  # a routed handoff refused: it goes on to another capable agent
+            if settle:
+                await bus.settle(self.agent_id, [handoff_id])
+            [final] = await bus.router.reroute([Reroute.of(reply[2:9], reply[9])])
+            return final or refusal_response(handoff_id, self.agent_id, fields)
         if code == errors.EXPIRED and reply[1]:
             await bus.settle(reply[1].decode(), [handoff_id])
         if code < 0:
@@ -271,32 +300,7 @@ class HandoffClient:
 
     async def list_agents(self) -> list[AgentInfo]:
         """Agents with at least one live worker (beating within its time to live), by agent id."""
-        bus = self._bus
-        agents = sorted(m.decode() for m in await bus.redis.smembers(bus.keys.agents))
-        if not agents:
-            return []
-        async with bus.redis.pipeline(transaction=False) as pipe:
-            for agent in agents:
-                pipe.hgetall(bus.keys.workers(agent))
-            tables = await pipe.execute()
-        now = await bus.server_time_ms()
-        found = []
-        for agent, table in zip(agents, tables, strict=True):
-            workers, gone = [], []
-            for consumer, raw in table.items():
-                info = _worker_info.decode(raw)
-                ttl = int(msgspec.json.decode(raw).get("ttl_ms", 0))
-                if info.beat_ms + ttl > now:
-                    workers.append(info)
-                elif info.beat_ms + 10 * ttl <= now:
-                    gone.append(consumer)  # a worker that died long ago: forget it
-            if gone:
-                await bus.redis.hdel(bus.keys.workers(agent), *gone)
-            if workers:
-                caps = sorted({c for w in workers for c in w.capabilities})
-                found.append(AgentInfo(agent_id=agent, capabilities=caps,
-                                       workers=sorted(workers, key=lambda w: w.consumer)))
-        return found
+        return list(await self._bus.router.directory.agents(max_age=0))
 
     async def get_dead_letters(self, agent_id: str | None = None, count: int = 100) -> list[DeadLetter]:
         """The dead letters of ``agent_id`` (default: this agent), oldest first."""

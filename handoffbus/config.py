@@ -31,12 +31,20 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
     sweep_lease: float = 2.0
     sweep_batch: int = 500
     read_block: float = 5.0
+    #: capability routing: what one priority level is worth in waiting time (the ageing that
+    #: keeps low priorities moving), how long an offer to a chosen agent stands before it is
+    #: routed elsewhere, how long a pulling worker's claim lasts, and the routing guard
+    route_age_step: float = 1.0
+    offer_time: float = 30.0
+    route_claim: float = 10.0
+    route_guard: float = 5.0
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.prefix):
             raise InvalidRequest(f"invalid key prefix {self.prefix!r}: use letters, digits, '_.-'")
         for name in ("default_timeout", "max_timeout", "record_retention", "response_retention",
-                     "sweep_interval", "sweep_lease", "read_block"):
+                     "sweep_interval", "sweep_lease", "read_block", "route_age_step", "offer_time",
+                     "route_claim", "route_guard"):
             if not getattr(self, name) > 0:
                 raise InvalidRequest(f"{name} must be positive")
         if self.default_timeout > self.max_timeout:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_PREFIX", "GROUP", "Keys", "RecordKeys", "TargetKeys"]
+__all__ = ["DEFAULT_PREFIX", "GROUP", "Keys", "RecordKeys", "RouteKeys", "TargetKeys"]
 
 DEFAULT_PREFIX = "hb"
 #: The consumer group every worker of an agent joins on that agent's inbox stream.
@@ -48,6 +48,19 @@ class TargetKeys:
 
     def as_list(self) -> list[str]:
         return [self.queue, self.inbox, self.inflight, self.seq, self.bell]
+
+
+@dataclass(frozen=True, slots=True)
+class RouteKeys:
+    """Keys in a capability set's routing slot (KEYS[1..4] of the route scripts)."""
+
+    queue: str
+    meta: str
+    claims: str
+    seq: str
+
+    def as_list(self) -> list[str]:
+        return [self.queue, self.meta, self.claims, self.seq]
 
 
 class Keys:
@@ -84,6 +97,17 @@ class Keys:
             seq=f"{base}seq",
             bell=f"{base}bell",
         )
+
+    def route(self, set_id: str) -> RouteKeys:
+        """The routing slot of one capability set. Its hash tag starts with '~', which no agent
+        id contains, so a routing slot never shares keys with an agent's."""
+        base = f"{self.prefix}:{{~r:{set_id}}}:"
+        return RouteKeys(queue=f"{base}route", meta=f"{base}rmeta", claims=f"{base}rclaims", seq=f"{base}rseq")
+
+    @property
+    def routes(self) -> str:
+        """Hash of every capability set requests were routed by: set id -> capabilities (comma-separated)."""
+        return f"{self.prefix}:routes"
 
     def dead_letters(self, agent: str) -> str:
         """Stream of handoffs the agent's workers could not handle (undecodable, or crashed too often)."""

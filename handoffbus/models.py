@@ -101,6 +101,16 @@ class HistoryEntry(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     at_ms: int
 
 
+class RouteStep(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One step of a routed handoff's way: an agent it was OFFERED to, that REFUSED or
+    DEFERRED it (with the rejection code), or whose offer LAPSED (it did not decide in time)."""
+
+    agent: str
+    event: str
+    at_ms: int
+    code: str = ""
+
+
 class HandoffRecord(msgspec.Struct, frozen=True, kw_only=True):
     """An immutable snapshot of a handoff as stored in Redis, with its transition history."""
 
@@ -116,6 +126,8 @@ class HandoffRecord(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int = 1
     #: the worker (consumer) holding an accepted handoff's work, if any
     lease: str | None = None
+    #: a capability-routed handoff's way through the agents, oldest first (empty if direct)
+    route: tuple[RouteStep, ...] = ()
 
     @property
     def terminal(self) -> bool:

@@ -9,7 +9,7 @@ import msgspec
 
 from .codecs import PayloadCodec
 from .errors import DecodeError, HandoffbusError
-from .models import HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatus, HistoryEntry
+from .models import HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatus, HistoryEntry, RouteStep
 
 __all__ = ["RESPONSE_FIELDS", "Loaded", "loaded_from_row", "record_from_hash", "response_from_fields",
            "response_from_reply"]
@@ -19,6 +19,7 @@ RESPONSE_FIELDS = (b"status", b"actor", b"ts", b"agent", b"reason", b"code", b"r
                    b"result", b"error", b"rmeta")
 _ACCEPTED_LIKE = {HandoffStatus.ACCEPTED, HandoffStatus.COMPLETED, HandoffStatus.FAILED}
 _history_decoder = msgspec.json.Decoder(list[HistoryEntry])
+_route_decoder = msgspec.json.Decoder(tuple[RouteStep, ...])
 
 
 def _text(value: bytes | None) -> str | None:
@@ -62,8 +63,9 @@ def record_from_hash(f: Mapping[bytes, bytes], codec: PayloadCodec) -> HandoffRe
     handoff_id = f[b"id"].decode()
     try:
         history = tuple(_history_decoder.decode(f[b"hist"]))
+        route = _route_decoder.decode(f[b"chain"]) if b"chain" in f else ()
     except msgspec.DecodeError as exc:
-        raise DecodeError(f"malformed history for {handoff_id!r}: {exc}") from None
+        raise DecodeError(f"malformed history or route for {handoff_id!r}: {exc}") from None
     response_fields = dict(f)
     response_fields[b"ts"] = f[b"updated"]
     return HandoffRecord(
@@ -77,6 +79,7 @@ def record_from_hash(f: Mapping[bytes, bytes], codec: PayloadCodec) -> HandoffRe
         response=response_from_fields(handoff_id, response_fields, codec),
         attempt=int(f.get(b"attempt", 1)),
         lease=f[b"lease"].decode() if b"lease" in f else None,
+        route=route,
     )
 
 

@@ -40,6 +40,12 @@ SCRIPT_NAMES = (
     "reclaim",
     "deadletter",
     "register",
+    "route",
+    "pull",
+    "assign",
+    "admit",
+    "ring",
+    "unroutable",
 )
 _INCLUDE = re.compile(r"^-- @include (\w+)$", re.MULTILINE)
 
@@ -118,3 +124,9 @@ class Scripts:
     reclaim: Script
     deadletter: Script
     register: Script
+    route: Script
+    pull: Script
+    assign: Script
+    admit: Script
+    ring: Script
+    unroutable: Script

@@ -19,6 +19,8 @@ import anyio
 from anyio.abc import TaskStatus
 from redis.exceptions import RedisError
 
+from .routing import Reroute
+
 if TYPE_CHECKING:
     from .bus import HandoffBus
 
@@ -52,6 +54,7 @@ class Sweeper:
         bus = self._bus
         expired = 0
         by_target: dict[str, list[str]] = defaultdict(list)
+        lapsed: list[Reroute] = []  # routed handoffs whose offer lapsed: route them again
         batch: list[str] = []
 
         async def flush() -> None:
@@ -65,10 +68,14 @@ class Sweeper:
             for reply in replies:
                 if isinstance(reply, BaseException):
                     raise reply
-                expired += int(reply[0])
-                for i in range(1, len(reply), 2):
+                n_expired, n_lapsed = int(reply[0]), int(reply[1])
+                expired += n_expired
+                pairs_end = 2 + 2 * n_expired
+                for i in range(2, pairs_end, 2):
                     if reply[i + 1]:
                         by_target[reply[i + 1].decode()].append(reply[i].decode())
+                for i in range(n_lapsed):
+                    lapsed.append(Reroute.of(reply[pairs_end + 7 * i:pairs_end + 7 * i + 7]))
             batch.clear()
 
         async for raw in bus.redis.sscan_iter(bus.keys.requesters, count=500):
@@ -81,6 +88,8 @@ class Sweeper:
             for reply in await bus.scripts_many([bus.settle_call(t, ids) for t, ids in by_target.items()]):
                 if isinstance(reply, BaseException):
                     raise reply
+        if lapsed:
+            await bus.router.reroute(lapsed)
         return expired
 
     async def release_lease(self) -> None:

@@ -23,7 +23,8 @@ import redis.asyncio as aioredis
 from anyio import run_process
 
 from handoffbus import HandoffBus, HandoffRequest, HandoffStatus
-from handoffbus.keys import Keys, RecordKeys, TargetKeys
+from handoffbus.keys import Keys, RecordKeys, RouteKeys, TargetKeys
+from handoffbus.routing import set_id
 from handoffbus.scripts import SCRIPT_NAMES
 from handoffbus.workers.inbox import Inbox
 
@@ -37,7 +38,10 @@ TARGET = "security-specialist-1"
 PREFIX = "hb"
 #: Every key suffix handoffbus/keys.py builds (the doc must explain each).
 SUFFIXES = ("h:", "p:", "deadlines", "responses", "queue", "inbox", "inflight", "seq", "bell", "dead",
-            "workers", "w:", "agents", "requesters", "targets", "sweep-lease")
+            "workers", "w:", "agents", "requesters", "targets", "sweep-lease", "route", "rmeta", "rclaims", "rseq",
+            "routes")
+#: the capability set of the doc's routed example
+ROUTED_SET = "code_review,security"
 
 
 # ---------------------------------------------------------------------- reading the doc
@@ -85,6 +89,8 @@ def expected_keys() -> set[str]:
     target = keys.target(TARGET)
     found = {getattr(record, f.name) for f in dataclasses.fields(RecordKeys)}
     found |= {getattr(target, f.name) for f in dataclasses.fields(TargetKeys)}
+    route = keys.route(set_id(ROUTED_SET))
+    found |= {getattr(route, f.name) for f in dataclasses.fields(RouteKeys)}
     found.add(keys.dead_letters(TARGET))
     found |= {keys.workers(TARGET), keys.worker_beat(TARGET, "worker-1")}
     for name, member in vars(Keys).items():
@@ -141,6 +147,17 @@ async def build_state(bus: HandoffBus) -> None:
     _, taken = await crashing.take(1)
     assert [d.handoff_id for d in taken] == [f"{REQUESTER}/req-40"]
     await crashing.dead_letter(taken[0], "delivered 6 times; its handling kept stopping workers", 6)
+
+    # req-45 and req-46: routed by capabilities (no to_agent); no live agent has both, so they
+    # wait in the set's route queue; a worker of another agent pulled req-45 and holds its claim
+    for rid in ("req-45", "req-46"):
+        await requester.request_handoff(HandoffRequest(
+            from_agent=REQUESTER, to_agent="", reason="Review a routed change", request_id=rid,
+            capabilities_required=["security", "code_review"], priority=2, timeout=300,
+        ))
+    route = bus.keys.route(set_id(ROUTED_SET))
+    pulled = await bus.script("pull", route.as_list(), ["review-bot-1", 1, 600_000, 64])
+    assert [h.decode() for h in pulled[1:]] == [f"{REQUESTER}/req-45"]
 
     record = await requester.get_handoff_status(f"{REQUESTER}/req-42")
     assert record is not None and record.status is HandoffStatus.PENDING

@@ -1,20 +1,51 @@
 --[[
-  reject: the target agent refuses a PENDING handoff; REJECTED is terminal.
+  reject: the target agent refuses a PENDING handoff; REJECTED is terminal. A capability-routed
+  handoff refused by the agent it is offered to is not rejected: the refusal is recorded and
+  the handoff goes on to the next capable agent (the caller routes it again).
 
   KEYS[1] record hash   KEYS[2] pending marker   KEYS[3] deadline index   KEYS[4] response stream
   ARGV[1] handoff id    ARGV[2] request id       ARGV[3] acting agent
   ARGV[4] record retention ms     ARGV[5] response stream retention ms
-  ARGV[6..] response field/value pairs (reason, code, retry, redirect, rmeta)
+  ARGV[6..] response field/value pairs (reason, code, retry, redirect, rmeta), and 'guard' =
+            routing guard ms for a routed handoff (see request-4.lua)
 
-  Allowed from: PENDING.   Who: the to_agent (any agent while to_agent is empty).
+  Allowed from: PENDING.   Who: the to_agent (for a routed handoff: the agent it is offered to).
   Returns:
     {1, to agent, status, actor, updated, agent, reason, code, retry, redirect, result, error, rmeta}
        transition made; the response was appended to KEYS[4]
     {0, to agent, ...same fields}  this actor already made this transition: nothing written or emitted
+    {2, to agent, handoff id, capability set, priority, created, deadline, refused, deferred, redirect}
+       a routed handoff refused: it is PENDING with no agent; route it again (nothing emitted).
+       With a retry time the agent is deferred until then rather than marked as refusing.
     {-1} no such handoff   {-2, current status} invalid transition
     {-3, to agent} the acceptance deadline passed (the record is now EXPIRED and EXPIRED was emitted)
     {-4} the acting agent may not make this transition
-  Events: one entry on KEYS[4]: id, status, actor, ts and the response fields.
+  Events: one entry on KEYS[4]: id, status, actor, ts and the response fields (not for a refusal).
 ]]
 -- @include record
-return run_transition('REJECTED', {PENDING = true}, 'target')
+
+local rec = redis.call('HMGET', KEYS[1], 'routed', 'status', 'to', 'chain', 'refused', 'deferred')
+local actor = ARGV[3]
+if rec[1] ~= '1' or rec[2] ~= 'PENDING' or rec[3] ~= actor or redis.call('EXISTS', KEYS[2]) == 0 then
+  return run_transition('REJECTED', {PENDING = true}, 'target')
+end
+
+local fields = {}
+for i = 6, #ARGV, 2 do fields[ARGV[i]] = ARGV[i + 1] end
+local now = now_ms()
+local refused, deferred = rec[5], rec[6]
+local event = 'REFUSED'
+-- drop this agent's earlier deferral, then defer again or mark it as refusing
+deferred = string.gsub(deferred, ',' .. string.gsub(actor, '%p', '%%%0') .. '=%d+,', ',')
+if fields.retry then
+  deferred = deferred .. actor .. '=' .. fmt(now + tonumber(fields.retry)) .. ','
+  event = 'DEFERRED'
+else
+  refused = refused .. actor .. ','
+end
+redis.call('HSET', KEYS[1], 'to', '', 'refused', refused, 'deferred', deferred, 'updated', fmt(now))
+chain_add(KEYS[1], rec[4], actor, event, now, fields.code)
+-- routed again by the sweep if the caller does not get to it
+redis.call('ZADD', KEYS[3], now + tonumber(fields.guard or 5000), 'o:' .. ARGV[2])
+local info = route_info(KEYS[1])
+return {2, actor, info[1], info[2], info[3], info[4], info[5], info[6], info[7], fields.redirect or false}

@@ -8,6 +8,9 @@
   ARGV[7] record retention ms                     ARGV[8] response stream retention ms
   ARGV[9] request fingerprint (digest of the canonical request: same content, same digest,
           whatever the codec, compression or dict key order)
+  ARGV[10] capability set (sorted, comma-separated)   ARGV[11] priority
+  ARGV[12] routing guard ms: a routed handoff not assigned to an agent by then is routed
+           again by the expiry sweep (covers a requester that died before routing it)
 
   Returns:
     {1, 'PENDING', now ms, deadline ms, last response id}  created; the marker expires at the deadline
@@ -41,4 +44,10 @@ redis.call('HSET', KEYS[1],
   'hist', '[["PENDING","' .. from .. '",' .. fmt(now) .. ']]')
 redis.call('SET', KEYS[2], '1', 'PXAT', fmt(deadline))
 redis.call('ZADD', KEYS[3], deadline, request_id)
+if to == '' then
+  -- capability routing: the route chain, refusals and deferrals live on the record
+  redis.call('HSET', KEYS[1], 'routed', '1', 'caps', ARGV[10], 'prio', ARGV[11], 'chain', '[]',
+    'refused', ',', 'deferred', ',')
+  redis.call('ZADD', KEYS[3], now + tonumber(ARGV[12]), 'o:' .. request_id)
+end
 return {1, 'PENDING', fmt(now), fmt(deadline), last}

@@ -1,16 +1,20 @@
 --[[
-  sweep: expire every PENDING handoff of one requester whose deadline has passed, in a batch.
-  Run by whichever bus holds the sweep lease; the scripts' own expiry checks keep every
-  other path exact, so the sweep only decides how soon an idle requester hears EXPIRED.
+  sweep: expire every PENDING handoff of one requester whose deadline has passed, and take
+  back the lapsed offers of capability-routed ones, in a batch. Run by whichever bus holds
+  the sweep lease; the scripts' own expiry checks keep every other path exact, so the sweep
+  only decides how soon an idle requester hears EXPIRED, and how soon a routed handoff whose
+  chosen agent died (or whose requester died before routing it) is routed again.
 
-  KEYS[1] deadline index  <p>:{R}:deadlines
+  KEYS[1] deadline index  <p>:{R}:deadlines  (request id -> deadline; "o:" .. request id ->
+          when the routed handoff's current offer, or routing guard, lapses)
   ARGV[1] key prefix of R's slot, e.g. "hb:{agent-1}:" (records and markers are built from it;
           they share KEYS[1]'s hash tag, so the script stays in one slot)
   ARGV[2] batch size      ARGV[3] record retention ms      ARGV[4] response stream retention ms
 
-  Returns {expired count, handoff id, to agent, ...} for the handoffs expired now, so the
-  caller can remove them from their target queues.
-  Events: EXPIRED on <p>:{R}:responses for each.
+  Returns {expired count, lapsed count, (handoff id, to agent) per expired handoff, then per
+  lapsed offer: handoff id, capability set, priority, created, deadline, refused, deferred}.
+  The caller removes expired handoffs from their target queues and routes lapsed ones again.
+  Events: EXPIRED on <p>:{R}:responses for each expired handoff.
 ]]
 -- @include record
 
@@ -18,17 +22,29 @@ local base = ARGV[1]
 local retention_ms, response_retention_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
 local now = now_ms()
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', fmt(now), 'LIMIT', 0, tonumber(ARGV[2]))
-local out = {0}
-for _, request_id in ipairs(due) do
+local out, lapsed = {0, 0}, {}
+for _, member in ipairs(due) do
+  local offer = string.sub(member, 1, 2) == 'o:'
+  local request_id = offer and string.sub(member, 3) or member
   local keys = {base .. 'h:' .. request_id, base .. 'p:' .. request_id, KEYS[1], base .. 'responses'}
-  local rec = read_record(keys[1], {'to'})
+  local rec = read_record(keys[1], {'to', 'chain'})
   if rec.status ~= 'PENDING' then
-    redis.call('ZREM', KEYS[1], request_id)  -- decided or gone: a stale index entry
+    redis.call('ZREM', KEYS[1], member)  -- decided or gone: a stale index entry
   elseif expire_if_due(keys, rec, request_id, now, retention_ms, response_retention_ms) then
     out[1] = out[1] + 1
     out[#out + 1] = rec.id
     out[#out + 1] = rec.to
+  elseif offer then
+    redis.call('ZREM', KEYS[1], member)
+    if rec.to ~= '' then
+      chain_add(keys[1], rec.chain, rec.to, 'LAPSED', now, nil)
+      redis.call('HSET', keys[1], 'to', '')
+    end
+    local info = route_info(keys[1])
+    for i = 1, #info do lapsed[#lapsed + 1] = info[i] end
+    out[2] = out[2] + 1
   end
   -- else the marker outlives TIME by under a millisecond: the next pass takes it
 end
+for i = 1, #lapsed do out[#out + 1] = lapsed[i] end
 return out

@@ -22,17 +22,6 @@ if count <= 0 then return out end
 
 local popped = redis.call('ZPOPMIN', KEYS[1], count)
 if #popped == 0 then return out end
--- Create the group if it is missing (first use, or deleted under running workers) at the
--- stream's end, so that '>' below delivers exactly the entries added here. Entries a deleted
--- group had delivered stay listed in KEYS[3] with their records, for recovery.
-pcall(redis.call, 'XGROUP', 'CREATE', KEYS[2], group, '$', 'MKSTREAM')
-for i = 1, #popped, 2 do
-  local hid = popped[i]
-  local entry = redis.call('XADD', KEYS[2], '*', 'h', hid)
-  redis.call('HSET', KEYS[3], hid, entry)
-  out[#out + 1] = hid
-  out[#out + 1] = entry
-end
--- deliver what was just added (nothing else is undelivered: this script is the only writer)
-redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', #popped / 2, 'STREAMS', KEYS[2], '>')
-return out
+local hids = {}
+for i = 1, #popped, 2 do hids[#hids + 1] = popped[i] end
+return deliver(group, consumer, hids, out)

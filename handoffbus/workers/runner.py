@@ -26,13 +26,14 @@ from redis.exceptions import RedisError
 
 from ..backoff import Backoff
 from ..client import rejection_fields
-from ..errors import InvalidRequest, InvalidTransition, LeaseLost, raise_for_code
+from ..errors import InvalidRequest, InvalidTransition, LeaseLost, NotPermitted, raise_for_code
 from ..keys import GROUP
 from ..models import TERMINAL, HandoffRequest, HandoffStatus
 from ..names import split_handoff_id
 from ..records import Loaded
 from .agent import Accept, Agent, AgentState, ReceivedHandoff, Reject
 from .inbox import Delivery, Inbox
+from .routes import RouteFeed
 
 if TYPE_CHECKING:
     from ..bus import HandoffBus
@@ -87,6 +88,7 @@ class Worker:
         self.beat = min(1.0, reclaim_idle / 3)
         self._started_ms = 0
         self._inbox = Inbox(bus, agent.agent_id, self.consumer)
+        self._routes = RouteFeed(bus, agent.agent_id, list(agent.capabilities), self.consumer)
         self._inbox_key = bus.keys.target(agent.agent_id).inbox
         self._client = bus.client(agent.agent_id)
         self._done: list[str] = []
@@ -168,6 +170,7 @@ class Worker:
 
     async def _join(self) -> None:
         self._started_ms = await self.bus.server_time_ms()
+        await self._routes.refresh()
         await self.bus.redis.sadd(self.bus.keys.agents, self.agent.agent_id)
         await self._register()
 
@@ -196,6 +199,7 @@ class Worker:
             await anyio.sleep(self.beat)  # a timer
             try:
                 await self._register()
+                await self._routes.refresh()
             except (RedisError, OSError) as exc:
                 log.warning("%s: registry heartbeat failed (%s)", self.consumer, exc)
 
@@ -274,6 +278,8 @@ class Worker:
             done, self._done = self._done, []
             try:
                 bell, taken = await self._inbox.take(free, settle=done)
+                if len(taken) < free and self.agent.state is AgentState.RUNNABLE and self._routes.due(bell):
+                    taken += await self._routes.pull(free - len(taken))
                 if not taken:
                     with anyio.CancelScope() as self._fetch_scope:
                         await self._inbox.wait(bell, self._block_ms)
@@ -323,8 +329,8 @@ class Worker:
         except LeaseLost:
             log.info("%s: %s was taken over by another worker; dropping this attempt", self.consumer, hid)
             after = "keep pending"  # its entry belongs to the new holder now
-        except InvalidTransition:
-            after = "settle"  # cancelled, expired or finished meanwhile
+        except (InvalidTransition, NotPermitted):
+            after = "settle"  # cancelled, expired or finished meanwhile; or a routed offer that lapsed
         except Exception:
             log.exception("%s: handling %s failed; it stays pending", self.consumer, hid)
             after = "keep pending"
@@ -368,8 +374,8 @@ class Worker:
         client, codec = self._client, self.bus.codec
         if isinstance(decision, Reject):
             fields = rejection_fields(decision.reason, decision.code, decision.retry_after_ms, decision.redirect_to)
-            await client._transition("reject", hid, fields, settle=False)
-            return HandoffStatus.REJECTED
+            # a routed handoff refused goes on to another agent: it stays PENDING
+            return (await client._transition("reject", hid, fields, settle=False)).status
         meta = codec.dumps_value(decision.metadata) if decision.metadata else None
         await client._transition("accept", hid, {"rmeta": meta, "lease": self.consumer}, settle=False)
         return await self._work(hid, request, 1)

@@ -20,3 +20,22 @@ local function settle(group, hid)
   end
   return removed
 end
+
+-- Add handoffs to the inbox and deliver them to `consumer` at once, so they sit in its
+-- pending entries list from the first moment. Appends {handoff id, entry id} pairs to `out`.
+-- The group is created if missing (first use, or deleted under running workers) at the
+-- stream's end, so that '>' delivers exactly the entries added here. Entries a deleted group
+-- had delivered stay listed in KEYS[3] with their records, for recovery.
+local function deliver(group, consumer, hids, out)
+  if #hids == 0 then return out end
+  pcall(redis.call, 'XGROUP', 'CREATE', KEYS[2], group, '$', 'MKSTREAM')
+  for _, hid in ipairs(hids) do
+    local entry = redis.call('XADD', KEYS[2], '*', 'h', hid)
+    redis.call('HSET', KEYS[3], hid, entry)
+    out[#out + 1] = hid
+    out[#out + 1] = entry
+  end
+  -- deliver what was just added (nothing else is undelivered: only deliver() adds entries)
+  redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', #hids, 'STREAMS', KEYS[2], '>')
+  return out
+end

@@ -60,7 +60,7 @@ local function transition(keys, rec, request_id, status, actor, now, extra, rete
   redis.call('HSET', key, unpack(fields))
   if rec.status == 'PENDING' then
     redis.call('DEL', keys[2])
-    redis.call('ZREM', keys[3], request_id)
+    redis.call('ZREM', keys[3], request_id, 'o:' .. request_id)
   end
   local entry = {'id', rec.id, 'status', status, 'actor', actor, 'ts', ts}
   for i = 1, #RESPONSE_FIELDS do
@@ -123,7 +123,7 @@ end
 local function run_transition(status, from, who)
   local request_id, actor = ARGV[2], ARGV[3]
   local retention_ms, response_retention_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
-  local rec = read_record(KEYS[1], {'from', 'to', 'actor', 'lease'})
+  local rec = read_record(KEYS[1], {'from', 'to', 'actor', 'lease', 'routed'})
   local current = rec.status
   if not current then return {-1} end
   local to = rec.to
@@ -148,7 +148,8 @@ local function run_transition(status, from, who)
   end
   local allowed
   if who == 'target' then
-    allowed = (to == '' or to == actor)
+    -- a routed handoff is decided only by the agent it is offered to right now
+    allowed = (to == actor) or (to == '' and rec.routed ~= '1')
   elseif who == 'owner' then
     allowed = (rec.agent == actor)
   else
@@ -167,4 +168,19 @@ local function run_transition(status, from, who)
   end
   return {1, to, unpack(transition(KEYS, rec, request_id, status, actor, now, extra, retention_ms,
     response_retention_ms))}
+end
+
+-- Append [agent, event, ts, code] to a routed record's chain (JSON text, like hist).
+local function chain_add(key, chain, agent, event, now, code)
+  local item = '["' .. agent .. '","' .. event .. '",' .. fmt(now) .. ',"' .. (code or '') .. '"]'
+  if chain == '[]' or not chain then chain = '[' .. item .. ']'
+  else chain = string.sub(chain, 1, -2) .. ',' .. item .. ']' end
+  redis.call('HSET', key, 'chain', chain)
+  return chain
+end
+
+-- What a caller needs to route a handoff again (after a refusal or a lapsed offer):
+-- {handoff id, capability set, priority, created ms, deadline ms, refused, deferred}
+local function route_info(key)
+  return redis.call('HMGET', key, 'id', 'caps', 'prio', 'created', 'deadline', 'refused', 'deferred')
 end

@@ -1,0 +1,50 @@
+--[[
+  pull: a worker with free slots takes routed handoffs it may be offered, best score first.
+  Taken handoffs are claimed for a while: the worker then assigns them on their records and
+  admits them to its own inbox, and acknowledges the claim in its next pull. A claim not
+  acknowledged in time (the worker died in between) returns to the queue.
+
+  KEYS[1] route queue   KEYS[2] route meta   KEYS[3] claims   KEYS[4] sequence (see includes/route.lua)
+  ARGV[1] agent   ARGV[2] count   ARGV[3] claim time ms   ARGV[4] how many queued entries
+  to look at (entries this agent refused or deferred are skipped)
+  ARGV[5..] handoff ids whose claims this worker acknowledges first
+
+  Returns {queued count after this pull, handoff id, ...}. Entries past their deadline are
+  dropped on the way (their records expire by themselves).
+]]
+-- @include route
+
+local agent, count = ARGV[1], tonumber(ARGV[2])
+for i = 5, #ARGV do
+  if redis.call('ZREM', KEYS[3], ARGV[i]) == 1 then redis.call('HDEL', KEYS[2], ARGV[i]) end
+end
+local now = route_now()
+-- claims whose worker vanished go back where they were
+local stale = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, 100)
+for _, hid in ipairs(stale) do
+  redis.call('ZREM', KEYS[3], hid)
+  local meta = redis.call('HGET', KEYS[2], hid)
+  if meta then redis.call('ZADD', KEYS[1], parse_meta(meta), hid) end
+end
+
+local out = {0}
+if count > 0 then
+  local head = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[4]) - 1)
+  local claimed_until = now + tonumber(ARGV[3])
+  for _, hid in ipairs(head) do
+    local meta = redis.call('HGET', KEYS[2], hid)
+    local _, deadline, refused, deferred = '', 0, ',', ','
+    if meta then _, deadline, refused, deferred = parse_meta(meta) end
+    if not meta or deadline <= now then
+      redis.call('ZREM', KEYS[1], hid)
+      redis.call('HDEL', KEYS[2], hid)
+    elseif eligible(agent, refused, deferred, now) then
+      redis.call('ZREM', KEYS[1], hid)
+      redis.call('ZADD', KEYS[3], claimed_until, hid)
+      out[#out + 1] = hid
+      if #out > count then break end
+    end
+  end
+end
+out[1] = redis.call('ZCARD', KEYS[1])
+return out

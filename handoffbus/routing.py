@@ -1,0 +1,256 @@
+"""Capability routing: a request that names capabilities instead of an agent.
+
+A routed request waits in its capability set's priority sorted set (one hash slot per set,
+see docs/routing.md). Workers with free slots pull from every set their agent can serve; a
+pulled handoff is offered to that agent on its record (``assign``), becomes an entry in the
+agent's own inbox (``admit``), and from there is handled exactly like a direct one. The
+record is the truth: only the agent a handoff is offered to may accept or refuse it. A
+refusal sends the handoff on to the next capable agent (or the one it was redirected to);
+when no capable agent is left it ends REJECTED with ``NO_CAPABLE_AGENT``. An offer that is
+not decided in time (the agent died) lapses and the expiry sweep routes it again.
+
+This module holds what requesters, workers and the sweep share: the capability-set naming,
+the directory of live agents, and ``Router.reroute``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import msgspec
+
+from .errors import raise_for_code
+from .models import AgentInfo, HandoffResponse, HandoffStatus, WorkerInfo
+from .names import check_names, split_handoff_id
+from .records import response_from_reply
+
+if TYPE_CHECKING:
+    from .bus import HandoffBus
+
+__all__ = ["NO_CAPABLE_AGENT", "Directory", "Reroute", "Router", "capability_set", "set_id"]
+
+#: rejection code of a routed handoff that no capable agent is left to take
+NO_CAPABLE_AGENT = "NO_CAPABLE_AGENT"
+#: actor of the transitions the router makes itself
+ROUTER = "_router"
+#: how many idle capable agents are woken for each routed request
+RING = 2
+
+Call = tuple[str, list[str], list[Any]]
+_worker_info = msgspec.json.Decoder(WorkerInfo)
+
+
+def capability_set(capabilities: Iterable[str]) -> str:
+    """The canonical form of a set of capabilities: sorted, unique, comma-separated."""
+    return ",".join(sorted(set(check_names(list(capabilities), "capability"))))
+
+
+def set_id(canonical: str) -> str:
+    """Short stable id of a capability set (its routing slot's hash tag)."""
+    return hashlib.blake2b(canonical.encode(), digest_size=8).hexdigest()
+
+
+def serves(agent_capabilities: Iterable[str], canonical: str) -> bool:
+    return set(canonical.split(",")) <= set(agent_capabilities)
+
+
+class Reroute(NamedTuple):
+    """A routed handoff to route again, as the reject and sweep scripts describe it."""
+
+    handoff_id: str
+    caps: str
+    priority: int
+    created_ms: int
+    deadline_ms: int
+    refused: str  # ",a,b,"
+    deferred: str  # ",a=<until ms>,"
+    redirect: str | None = None
+
+    @classmethod
+    def of(cls, values: Sequence[Any], redirect: Any = None) -> Reroute:
+        hid, caps, prio, created, deadline, refused, deferred = (
+            v.decode() if isinstance(v, bytes) else v for v in values[:7]
+        )
+        return cls(hid, caps, int(prio), int(created), int(deadline), refused or ",", deferred or ",",
+                   redirect.decode() if isinstance(redirect, bytes) else None)
+
+    @property
+    def refused_agents(self) -> list[str]:
+        return [a for a in self.refused.split(",") if a]
+
+
+class Directory:
+    """The live agents and what they can do, as their workers' registry entries say.
+
+    Routing reads it on every request, so it is cached for ``max_age`` seconds; listing it
+    also forgets workers that died long ago."""
+
+    def __init__(self, bus: HandoffBus) -> None:
+        self._bus = bus
+        self._agents: list[AgentInfo] = []
+        self._at = float("-inf")
+
+    async def agents(self, max_age: float = 1.0) -> list[AgentInfo]:
+        if time.monotonic() - self._at > max_age:
+            self._agents = await self._fetch()
+            self._at = time.monotonic()
+        return self._agents
+
+    async def _fetch(self) -> list[AgentInfo]:
+        bus = self._bus
+        agents = sorted(m.decode() for m in await bus.redis.smembers(bus.keys.agents))
+        if not agents:
+            return []
+        async with bus.redis.pipeline(transaction=False) as pipe:
+            for agent in agents:
+                pipe.hgetall(bus.keys.workers(agent))
+            tables = await pipe.execute()
+        now = await bus.server_time_ms()
+        found = []
+        for agent, table in zip(agents, tables, strict=True):
+            workers, gone = [], []
+            for consumer, raw in table.items():
+                info = _worker_info.decode(raw)
+                ttl = int(msgspec.json.decode(raw).get("ttl_ms", 0))
+                if info.beat_ms + ttl > now:
+                    workers.append(info)
+                elif info.beat_ms + 10 * ttl <= now:
+                    gone.append(consumer)  # a worker that died long ago: forget it
+            if gone:
+                await bus.redis.hdel(bus.keys.workers(agent), *gone)
+            if workers:
+                caps = sorted({c for w in workers for c in w.capabilities})
+                found.append(AgentInfo(agent_id=agent, capabilities=caps,
+                                       workers=sorted(workers, key=lambda w: w.consumer)))
+        return found
+
+    @staticmethod
+    def capable(agents: Sequence[AgentInfo], canonical: str, exclude: Iterable[str] = ()) -> list[AgentInfo]:
+        """Agents with every capability of the set and a worker not draining, least loaded first."""
+        skip = set(exclude)
+        found = [
+            a for a in agents
+            if a.agent_id not in skip and serves(a.capabilities, canonical)
+            and any(w.state != "DRAINING" for w in a.workers)
+        ]
+        return sorted(found, key=lambda a: (a.load / max(a.limit, 1), a.agent_id))
+
+
+class Router:
+    """Routes handoffs into capability-set queues, and on after a refusal or a lapsed offer."""
+
+    def __init__(self, bus: HandoffBus) -> None:
+        self._bus = bus
+        self.directory = Directory(bus)
+        self._known: set[str] = set()
+
+    async def register_set(self, canonical: str) -> str:
+        """Make the set known to workers (once per process); returns its id."""
+        sid = set_id(canonical)
+        if sid not in self._known:
+            await self._bus.redis.hset(self._bus.keys.routes, sid, canonical)
+            self._known.add(sid)
+        return sid
+
+    def route_call(self, canonical: str, handoff_id: str, priority: int, deadline_ms: int | str,
+                   refused: str = ",", deferred: str = ",", since_ms: int = 0) -> Call:
+        config = self._bus.config
+        return "route", self._bus.keys.route(set_id(canonical)).as_list(), [
+            handoff_id, priority, deadline_ms, refused, deferred, int(config.route_age_step * 1000), since_ms,
+        ]
+
+    def ring_calls(self, candidates: Sequence[AgentInfo], handoff_id: str, deferred: str = ",") -> list[Call]:
+        """Wake the least loaded capable agents that are not deferred (the others pull when they
+        next have room, or after their block timeout)."""
+        calls: list[Call] = []
+        for agent in candidates:
+            if f",{agent.agent_id}=" in deferred:
+                continue
+            calls.append(("ring", [self._bus.keys.target(agent.agent_id).bell], [handoff_id]))
+            if len(calls) == RING:
+                break
+        return calls
+
+    def unroutable_call(self, handoff_id: str, refused: Sequence[str]) -> Call:
+        bus = self._bus
+        requester, request_id = split_handoff_id(handoff_id)
+        reason = "no capable agent available" + (f" (refused by {', '.join(refused)})" if refused else "")
+        return "unroutable", bus.keys.record(requester, request_id).as_list(), [
+            handoff_id, request_id, bus.config.retention_ms, bus.config.response_retention_ms, reason,
+            bus.codec.dumps_value({"refused": list(refused)}),
+        ]
+
+    def assign_call(self, handoff_id: str, agent: str) -> Call:
+        bus = self._bus
+        requester, request_id = split_handoff_id(handoff_id)
+        return "assign", bus.keys.record(requester, request_id).as_list(), [
+            handoff_id, request_id, agent, int(bus.config.offer_time * 1000), bus.config.retention_ms,
+            bus.config.response_retention_ms,
+        ]
+
+    def response(self, handoff_id: str, reply: Sequence[Any]) -> HandoffResponse | None:
+        """The response of an unroutable call (None if it was left alone); raises on a negative code."""
+        code = int(reply[0])
+        if code < 0:
+            raise_for_code(code, handoff_id, ROUTER, "route", reply[1] if len(reply) > 1 else None)
+        return response_from_reply(handoff_id, reply[2:], self._bus.codec) if code == 1 else None
+
+    async def reroute(self, items: Sequence[Reroute]) -> list[HandoffResponse | None]:
+        """Send each handoff on: to the agent it was redirected to if that one is capable and
+        live, else back to its set's queue (waking capable agents), else, when every capable
+        agent refused it, to REJECTED with NO_CAPABLE_AGENT. Returns that REJECTED response,
+        or None where the handoff stays PENDING."""
+        if not items:
+            return []
+        bus = self._bus
+        agents = await self.directory.agents(max_age=0.5)
+        results: list[HandoffResponse | None] = [None] * len(items)
+        redirected: list[Reroute] = []
+        calls: list[Call] = []
+        final: list[tuple[int, int]] = []  # (item index, call index) of unroutable calls
+        for i, item in enumerate(items):
+            candidates = Directory.capable(agents, item.caps, exclude=item.refused_agents)
+            names = {a.agent_id for a in candidates}
+            if item.redirect and item.redirect in names and f",{item.redirect}=" not in item.deferred:
+                redirected.append(item)
+            elif not candidates and item.refused_agents:
+                final.append((i, len(calls)))
+                calls.append(self.unroutable_call(item.handoff_id, item.refused_agents))
+            else:
+                await self.register_set(item.caps)
+                calls.append(self._route_again(item))
+                calls += self.ring_calls(candidates, item.handoff_id, item.deferred)
+        if redirected:
+            replies = await bus.scripts_many([self.assign_call(item.handoff_id, item.redirect or "")
+                                              for item in redirected])
+            for item, reply in zip(redirected, replies, strict=True):
+                code = 0 if isinstance(reply, BaseException) else int(reply[0])
+                if code == 1 and item.redirect:
+                    await bus.register_target(item.redirect)
+                    calls.append(bus.enqueue_call(item.redirect, item.handoff_id, item.priority))
+                elif code == 0:  # offered elsewhere meanwhile, or the assign failed: the queue decides
+                    calls.append(self._route_again(item))
+                # code < 0: decided, expired or gone meanwhile
+        replies = await bus.scripts_many(calls) if calls else []
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+        for i, index in final:
+            results[i] = self.response(items[i].handoff_id, replies[index])
+        return results
+
+    def _route_again(self, item: Reroute) -> Call:
+        return self.route_call(item.caps, item.handoff_id, item.priority, item.deadline_ms,
+                               item.refused, item.deferred, item.created_ms)
+
+
+def refusal_response(handoff_id: str, actor: str, fields: dict[str, Any]) -> HandoffResponse:
+    """What a refusing agent gets back: the handoff is still PENDING, on its way elsewhere."""
+    return HandoffResponse(
+        handoff_id=handoff_id, request_id=handoff_id.partition("/")[2], status=HandoffStatus.PENDING,
+        actor=actor, rejection_reason=fields.get("reason"), rejection_code=fields.get("code"),
+        retry_after_ms=fields.get("retry"), redirect_to_agent=fields.get("redirect"),
+    )

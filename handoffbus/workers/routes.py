@@ -1,0 +1,100 @@
+"""The routed work a worker pulls: handoffs waiting in the queues of every capability set its
+agent can serve (see handoffbus/routing.py and docs/routing.md).
+
+A pull claims handoffs in the set's slot, offers them to this agent on their records, and
+admits the ones it got into the agent's own inbox, delivered to this worker: from there they
+are handled like direct handoffs, crash recovery included. Claims are acknowledged right
+after; a worker that dies before that leaves claims that return to the queue by themselves.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..keys import GROUP
+from ..routing import serves
+from .inbox import Delivery
+
+if TYPE_CHECKING:
+    from ..bus import HandoffBus
+
+__all__ = ["RouteFeed"]
+
+#: how many queued entries a pull looks at for ones this agent may take
+SCAN = 64
+#: look at the sets again at least this often (seconds), rung or not
+RELOOK = 1.0
+
+
+class RouteFeed:
+    def __init__(self, bus: HandoffBus, agent: str, capabilities: list[str], consumer: str) -> None:
+        self._bus = bus
+        self.agent = agent
+        self.capabilities = sorted(set(capabilities))
+        self.consumer = consumer
+        self.sets: dict[str, str] = {}  # set id -> capabilities, for the sets this agent serves
+        self._waiting: set[str] = set()  # sets that still had queued work at the last look
+        self._bell: bytes | None = None
+        self._looked = float("-inf")
+        self._turn = 0
+
+    async def refresh(self) -> None:
+        """Learn the capability sets requests were routed by, and keep those this agent serves."""
+        table = await self._bus.redis.hgetall(self._bus.keys.routes)
+        self.sets = {sid.decode(): caps.decode() for sid, caps in table.items()
+                     if serves(self.capabilities, caps.decode())}
+
+    def due(self, bell: bytes) -> bool:
+        """Whether to look at the sets now: the agent's doorbell rang (requesters ring it for
+        routed work), work was left at the last look, or a while has passed."""
+        if not self.sets:
+            return False
+        rung, self._bell = bell != self._bell, bell
+        return rung or bool(self._waiting) or time.monotonic() - self._looked > RELOOK
+
+    async def pull(self, count: int) -> list[Delivery]:
+        """Take up to ``count`` routed handoffs into this worker's hands."""
+        bus, config = self._bus, self._bus.config
+        self._looked = time.monotonic()
+        sids = sorted(self.sets)
+        if not sids or count <= 0:
+            return []
+        # share the free slots among the sets, starting with a different one each time
+        self._turn = (self._turn + 1) % len(sids)
+        sids = sids[self._turn:] + sids[:self._turn]
+        quota = {sid: count // len(sids) + (1 if i < count % len(sids) else 0) for i, sid in enumerate(sids)}
+        asked = [sid for sid in sids if quota[sid] > 0]
+        replies = await bus.scripts_many([
+            ("pull", bus.keys.route(sid).as_list(),
+             [self.agent, quota[sid], int(config.route_claim * 1000), SCAN]) for sid in asked
+        ])
+        pulled: list[tuple[str, str]] = []
+        for sid, reply in zip(asked, replies, strict=True):
+            if isinstance(reply, BaseException):
+                raise reply
+            if int(reply[0]) > 0:
+                self._waiting.add(sid)
+            else:
+                self._waiting.discard(sid)
+            pulled += [(sid, h.decode()) for h in reply[1:]]
+        if not pulled:
+            return []
+        offers = await bus.scripts_many([bus.router.assign_call(hid, self.agent) for _, hid in pulled])
+        mine = [hid for (_, hid), r in zip(pulled, offers, strict=True)
+                if not isinstance(r, BaseException) and int(r[0]) == 1]
+        delivered: list[Delivery] = []
+        if mine:
+            reply = await bus.script("admit", bus.keys.target(self.agent).as_list(), [GROUP, self.consumer, *mine])
+            delivered = [Delivery(handoff_id=reply[i].decode(), entry_id=reply[i + 1].decode())
+                         for i in range(0, len(reply), 2)]
+        # the claims are done with: taken into the inbox, or decided/offered elsewhere meanwhile
+        acks: dict[str, list[Any]] = {}
+        for sid, hid in pulled:
+            acks.setdefault(sid, []).append(hid)
+        for reply in await bus.scripts_many([
+            ("pull", bus.keys.route(sid).as_list(), [self.agent, 0, 0, 0, *hids]) for sid, hids in acks.items()
+        ]):
+            if isinstance(reply, BaseException):
+                raise reply
+        return delivered

@@ -1,0 +1,218 @@
+"""Capability routing: offers, fallback chain, redirects, deferrals, NO_CAPABLE_AGENT, lapsed
+offers, late joiners, priority order with ageing, and fairness."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+
+from handoffbus import HandoffBus, HandoffHandle, HandoffRequest, HandoffResponse, HandoffStatus
+from handoffbus.workers import Accept, Agent, AgentState, ReceivedHandoff, Reject, Worker
+
+from .conftest import make_bus
+from .helpers import response_statuses
+
+pytestmark = pytest.mark.anyio
+S = HandoffStatus
+
+
+def routed(caps: Sequence[str], **kw: Any) -> HandoffRequest:
+    kw.setdefault("reason", "r")
+    return HandoffRequest(from_agent="req", to_agent="", capabilities_required=list(caps), **kw)
+
+
+class Specialist(Agent):
+    """A capable agent: accepts, or refuses with ``refuse`` (a Reject) when one is set."""
+
+    refuse: Reject | None = None
+
+    def __init__(self, agent_id: str, capabilities: Sequence[str], refuse: Reject | None = None) -> None:
+        super().__init__()
+        self.agent_id = agent_id  # type: ignore[misc]
+        self.capabilities = list(capabilities)  # type: ignore[misc]
+        self.refuse = refuse
+        self.seen: list[str] = []
+        self.order: list[str] = []
+
+    async def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+        self.seen.append(request.request_id)
+        return self.refuse or Accept()
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        self.order.append(handoff.request.reason)
+        return {"by": self.agent_id}
+
+
+@asynccontextmanager
+async def serving(bus: HandoffBus, *agents: Agent, **options: Any) -> AsyncIterator[list[Worker]]:
+    async with anyio.create_task_group() as tg:
+        workers = [Worker(bus, agent, **options) for agent in agents]
+        for worker in workers:
+            await tg.start(worker.run)
+        yield workers
+        for worker in workers:
+            worker.drain()
+
+
+async def outcomes(handles: Sequence[HandoffHandle], limit: float = 30) -> list[HandoffResponse]:
+    with anyio.fail_after(limit):
+        return [await h.outcome() for h in handles]
+
+
+async def test_a_routed_request_goes_to_an_agent_with_every_capability(bus: HandoffBus) -> None:
+    narrow, wide = Specialist("narrow-1", ["code_review"]), Specialist("wide-1", ["code_review", "security"])
+    client = bus.client("req")
+    async with serving(bus, narrow, wide):
+        handle = await client.request_handoff(routed(["security", "code_review", "security"]))
+        [outcome] = await outcomes([handle])
+    assert outcome.status is S.COMPLETED and outcome.result == {"by": "wide-1"}
+    assert narrow.seen == []
+    record = await client.get_handoff_status(handle.handoff_id)
+    assert [(s.agent, s.event) for s in record.route] == [("wide-1", "OFFERED")]
+    assert await response_statuses(bus, "req", handle.handoff_id) == ["ACCEPTED", "COMPLETED"]
+
+
+async def test_fallback_chain_is_followed_and_recorded(bus: HandoffBus) -> None:
+    no = Reject(reason="not today", code="TOO_BUSY")
+    agents = [Specialist("spec-a", ["x"], no), Specialist("spec-b", ["x"], no), Specialist("spec-c", ["x"])]
+    client = bus.client("req")
+    async with serving(bus, *agents):
+        handles = [await client.request_handoff(routed(["x"])) for _ in range(10)]
+        results = await outcomes(handles)
+    assert {(o.status, o.result["by"]) for o in results} == {(S.COMPLETED, "spec-c")}
+    for handle in handles:
+        route = (await client.get_handoff_status(handle.handoff_id)).route
+        offered = [s.agent for s in route if s.event == "OFFERED"]
+        assert offered[-1] == "spec-c" and len(offered) == len(set(offered))  # never offered twice
+        assert [s.agent for s in route if s.event == "REFUSED"] == offered[:-1]
+        assert all(s.code == "TOO_BUSY" for s in route if s.event == "REFUSED")
+        # refusals are the router's business: the requester hears one decision and one outcome
+        assert await response_statuses(bus, "req", handle.handoff_id) == ["ACCEPTED", "COMPLETED"]
+
+
+async def test_no_capable_agent_left_ends_rejected_with_the_refusers(bus: HandoffBus) -> None:
+    no = Reject(reason="no", code="NOPE")
+    agents = [Specialist("spec-a", ["x", "y"], no), Specialist("spec-b", ["x", "y", "z"], no),
+              Specialist("spec-c", ["y"])]  # spec-c lacks x: never offered
+    client = bus.client("req")
+    async with serving(bus, *agents):
+        [outcome] = await outcomes([await client.request_handoff(routed(["x", "y"]))])
+    assert outcome.status is S.REJECTED and outcome.rejection_code == "NO_CAPABLE_AGENT"
+    assert outcome.actor == "_router" and sorted(outcome.metadata["refused"]) == ["spec-a", "spec-b"]
+    assert agents[2].seen == []
+
+
+async def test_fail_fast_rejects_at_once_and_otherwise_a_late_agent_gets_the_work(bus: HandoffBus) -> None:
+    client = bus.client("req")
+    fast = await client.request_handoff(routed(["rare"]), fail_fast=True)
+    [decided] = await outcomes([fast], limit=5)
+    assert decided.status is S.REJECTED and decided.rejection_code == "NO_CAPABLE_AGENT"
+    waiting = await client.request_handoff(routed(["rare"]))
+    assert (await waiting.status()).status is S.PENDING
+    late = Specialist("late-1", ["rare", "other"])
+    async with serving(bus, late):
+        [outcome] = await outcomes([waiting])
+    assert outcome.status is S.COMPLETED and outcome.result == {"by": "late-1"}
+
+
+async def test_redirect_to_a_capable_live_agent_is_honoured(bus: HandoffBus) -> None:
+    first = Specialist("first-1", ["x"], Reject(reason="ask the expert", code="REDIRECT", redirect_to="expert-1"))
+    expert = Specialist("expert-1", ["x"])
+    expert.state = AgentState.BUSY  # it pulls no routed work itself: only a redirect reaches it
+    client = bus.client("req")
+    async with serving(bus, first, expert):
+        [outcome] = await outcomes([await client.request_handoff(routed(["x"]))])
+        record = await client.get_handoff_status(outcome.handoff_id)
+    assert outcome.result == {"by": "expert-1"}
+    assert [(s.agent, s.event) for s in record.route] == [
+        ("first-1", "OFFERED"), ("first-1", "REFUSED"), ("expert-1", "OFFERED")]
+
+
+async def test_retry_after_defers_the_next_offer_to_that_agent(bus: HandoffBus) -> None:
+    class Later(Specialist):
+        async def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+            self.seen.append(request.request_id)
+            if len(self.seen) == 1:
+                return Reject(reason="in a moment", code="LATER", retry_after_ms=200)
+            return Accept()
+
+    agent = Later("only-1", ["x"])
+    client = bus.client("req")
+    async with serving(bus, agent):
+        [outcome] = await outcomes([await client.request_handoff(routed(["x"]))])
+        record = await client.get_handoff_status(outcome.handoff_id)
+    assert outcome.status is S.COMPLETED and len(agent.seen) == 2
+    events = [(s.event, s.code) for s in record.route]
+    assert events == [("OFFERED", ""), ("DEFERRED", "LATER"), ("OFFERED", "")]
+    deferred, reoffered = record.route[1].at_ms, record.route[2].at_ms
+    assert reoffered - deferred >= 200
+
+
+async def test_a_routed_request_nobody_can_take_expires(bus: HandoffBus) -> None:
+    handle = await bus.client("req").request_handoff(routed(["nobody-has-this"], timeout=0.2))
+    [outcome] = await outcomes([handle], limit=10)
+    assert outcome.status is S.EXPIRED
+
+
+async def test_an_offer_the_chosen_agent_never_decides_is_routed_again(real_backend: str, servers: dict) -> None:
+    class Frozen(Specialist):
+        """Takes the offer, then hangs in its acceptance hook (as a dead or stuck agent would)."""
+
+        def __init__(self) -> None:
+            super().__init__("frozen-1", ["x"])
+            self.holding = anyio.Event()
+            self.thaw = anyio.Event()
+
+        async def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+            self.holding.set()
+            await self.thaw.wait()
+            return Accept()
+
+    async with make_bus(real_backend, servers, offer_time=0.3) as bus:
+        frozen, healthy = Frozen(), Specialist("healthy-1", ["x"])
+        healthy.state = AgentState.BUSY  # pulls nothing until the frozen agent holds the offer
+        client = bus.client("req")
+        async with serving(bus, frozen, healthy):
+            handle = await client.request_handoff(routed(["x"]))
+            with anyio.fail_after(10):
+                await frozen.holding.wait()
+            healthy.state = AgentState.RUNNABLE
+            [outcome] = await outcomes([handle])
+            frozen.thaw.set()  # too late: its offer lapsed; its accept is refused and dropped
+        record = await client.get_handoff_status(handle.handoff_id)
+        assert await response_statuses(bus, "req", handle.handoff_id) == ["ACCEPTED", "COMPLETED"]
+    assert outcome.result == {"by": "healthy-1"}
+    assert [(s.agent, s.event) for s in record.route] == [
+        ("frozen-1", "OFFERED"), ("frozen-1", "LAPSED"), ("healthy-1", "OFFERED")]
+
+
+async def test_priority_order_holds_within_a_capability_set(bus: HandoffBus) -> None:
+    client = bus.client("req")
+    priorities = [5, 1, 9, 1, 0, 5, 3, -2]
+    handles = [await client.request_handoff(routed(["x"], priority=p, reason=f"r{i}"))
+               for i, p in enumerate(priorities)]
+    agent = Specialist("one-1", ["x"])
+    async with serving(bus, agent, concurrency=1):
+        await outcomes(handles)
+    assert agent.order == [f"r{i}" for i in sorted(range(len(priorities)), key=lambda i: (priorities[i], i))]
+
+
+async def test_equal_agents_get_comparable_shares(bus: HandoffBus) -> None:
+    class Working(Specialist):
+        async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+            await anyio.sleep(0.002)  # simulated work, so that every agent is kept busy
+            return await super().on_handoff_received(handoff)
+
+    agents = [Working(f"peer-{i}", ["x"]) for i in range(4)]
+    client = bus.client("req")
+    async with serving(bus, *agents, concurrency=2):
+        handles = [await client.request_handoff(routed(["x"])) for _ in range(400)]
+        results = await outcomes(handles, limit=60)
+    shares = Counter(o.result["by"] for o in results)
+    assert sum(shares.values()) == 400 and len(shares) == 4
+    assert min(shares.values()) >= 400 / 4 / 2, shares  # no agent gets less than half its fair share
