@@ -10,7 +10,9 @@ For each process count P: start P ``handoffbus worker bench_workers:BenchEcho`` 
 (each with ``--concurrency``), wait until all P have registered, warm up, then run ``--n``
 handoffs (request -> the worker's acceptance hook -> work hook -> COMPLETED) from
 ``--inflight`` requester tasks in this process, each awaiting decision and outcome. Then
-SIGTERM every worker and check it exits 0. Reports handoffs/s, decision and outcome
+SIGTERM every worker and check it exits 0. Each count runs direct handoffs (``to_agent``
+named) and routed ones (``capabilities_required`` only, pulled from the capability set's
+queue), unless ``--modes`` says otherwise. Reports handoffs/s, decision and outcome
 latency, CPU per handoff in this process, the workers and the server, and the ratio to the
 bare and batched streams loops of bench_core.py run in this same process.
 """
@@ -99,7 +101,7 @@ async def stop_workers(procs: list[Process]) -> list[int]:
     return codes
 
 
-async def handoff_round(bus: HandoffBus, n: int, inflight: int, context: bytes) -> dict[str, Any]:
+async def handoff_round(bus: HandoffBus, n: int, inflight: int, context: bytes, routed: bool) -> dict[str, Any]:
     requester = bus.client(REQUESTER)
     decision_lat: list[float] = []
     outcome_lat: list[float] = []
@@ -112,7 +114,8 @@ async def handoff_round(bus: HandoffBus, n: int, inflight: int, context: bytes) 
             issued += 1
             t0 = time.perf_counter()
             handle = await requester.request_handoff(HandoffRequest(
-                from_agent=REQUESTER, to_agent=BenchEcho.agent_id, reason="bench", context_snapshot=context,
+                from_agent=REQUESTER, to_agent="" if routed else BenchEcho.agent_id, reason="bench",
+                context_snapshot=context,
                 capabilities_required=["echo"], timeout=60,
             ))
             decision = await handle.decision()
@@ -135,18 +138,18 @@ async def handoff_round(bus: HandoffBus, n: int, inflight: int, context: bytes) 
 
 
 async def measure_processes(
-    url: str, stats: aioredis.Redis, count: int, args: argparse.Namespace, context: bytes
+    url: str, stats: aioredis.Redis, count: int, args: argparse.Namespace, context: bytes, routed: bool
 ) -> dict[str, Any]:
-    prefix = f"benchw{os.getpid()}p{count}"
+    prefix = f"benchw{os.getpid()}p{count}{'r' if routed else 'd'}"
     async with HandoffBus.connect(url, prefix=prefix) as bus:
         procs = await start_workers(url, prefix, count, args.concurrency)
         try:
-            await handoff_round(bus, args.warmup, args.inflight, context)
+            await handoff_round(bus, args.warmup, args.inflight, context, routed)
             runs = []
             for _ in range(args.rounds):
                 workers0 = sum(process_cpu_s(p.pid) for p in procs)
                 server0, client0 = await server_cpu(stats), time.process_time()
-                result = await handoff_round(bus, args.n, args.inflight, context)
+                result = await handoff_round(bus, args.n, args.inflight, context, routed)
                 client1, server1 = time.process_time(), await server_cpu(stats)
                 workers1 = sum(process_cpu_s(p.pid) for p in procs)
                 result["cpu_us_per_handoff"] = {
@@ -161,7 +164,7 @@ async def measure_processes(
                 if args.url is not None:
                     await bus.clear(confirm=prefix)
     best = median_run(runs, "handoffs_per_s")
-    return {**best, "processes": count, "exit_codes": codes,
+    return {**best, "processes": count, "mode": "routed" if routed else "direct", "exit_codes": codes,
             "rounds_handoffs_per_s": [r["handoffs_per_s"] for r in runs]}
 
 
@@ -179,7 +182,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                for _ in range(args.rounds)], "msgs_per_s")
             batched = median_run([await ceiling_round(raw, args.n, args.inflight, args.payload, base)
                                   for _ in range(args.rounds)], "msgs_per_s")
-            results = [await measure_processes(url, stats, count, args, context) for count in args.processes]
+            results = [await measure_processes(url, stats, count, args, context, mode == "routed")
+                       for count in args.processes for mode in args.modes]
         finally:
             await raw.aclose()
             await stats.aclose()
@@ -208,7 +212,8 @@ def render(result: dict[str, Any]) -> str:
     for r in result["workers"]:
         cpu = r["cpu_us_per_handoff"]
         lines.append(
-            f"{r['processes']} process{'es' if r['processes'] > 1 else '  '} {r['handoffs_per_s']:>9,.0f} handoffs/s"
+            f"{r['processes']} process{'es' if r['processes'] > 1 else '  '} {r['mode']:<6}"
+            f" {r['handoffs_per_s']:>9,.0f} handoffs/s"
             f"  ({r['ratio_to_bare']:.1%} of bare, {r['ratio_to_batched']:.1%} of batched)"
             f"  decision p50/p99 {r['decision_ms']['p50']:.1f}/{r['decision_ms']['p99']:.1f} ms"
             f"  outcome p50/p99 {r['outcome_ms']['p50']:.1f}/{r['outcome_ms']['p99']:.1f} ms"
@@ -225,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--url", help="server to use (default: start an EmbeddedServer on a unix socket)")
     parser.add_argument("--processes", default="1,4", help="worker process counts to run (default 1,4)")
+    parser.add_argument("--modes", default="direct,routed",
+                        help="direct (to_agent named) and/or routed (by capability) handoffs (default both)")
     parser.add_argument("--n", type=int, default=5000, help="measured handoffs per run (default 5000)")
     parser.add_argument("--inflight", type=int, default=100, help="outstanding handoffs (default 100)")
     parser.add_argument("--concurrency", type=int, default=64, help="--concurrency of each worker (default 64)")
@@ -237,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         args.processes = [int(p) for p in args.processes.split(",")]
     except ValueError:
         parser.error("--processes takes a comma-separated list of counts, e.g. 1,4")
+    args.modes = args.modes.split(",")
+    if not set(args.modes) <= {"direct", "routed"}:
+        parser.error("--modes takes direct, routed or both")
     if min(args.processes) <= 0 or args.n <= 0 or args.inflight <= 0 or args.rounds <= 0 or args.concurrency <= 0:
         parser.error("--processes, --n, --inflight, --concurrency and --rounds must be positive")
     result = anyio.run(run, args, backend="asyncio")

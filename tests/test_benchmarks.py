@@ -27,7 +27,7 @@ def test_worker_process_benchmark_runs(tmp_path: Path) -> None:
     result = run_script("bench_workers.py", tmp_path / "workers.json",
                         "--n", "200", "--warmup", "50", "--processes", "1,2")
     runs = result["workers"]
-    assert [r["processes"] for r in runs] == [1, 2]
+    assert [(r["processes"], r["mode"]) for r in runs] == [(1, "direct"), (1, "routed"), (2, "direct"), (2, "routed")]
     for r in runs:
         assert r["problems"] == {} and r["n"] == 200 and r["handoffs_per_s"] > 0
         assert r["exit_codes"] == [0] * r["processes"]  # every worker drained cleanly on SIGTERM

@@ -216,3 +216,23 @@ async def test_equal_agents_get_comparable_shares(bus: HandoffBus) -> None:
     shares = Counter(o.result["by"] for o in results)
     assert sum(shares.values()) == 400 and len(shares) == 4
     assert min(shares.values()) >= 400 / 4 / 2, shares  # no agent gets less than half its fair share
+
+
+async def test_ageing_bounds_how_long_a_low_priority_request_waits(real_backend: str, servers: dict) -> None:
+    """A priority-10 request is overtaken only by priority-0 requests made less than
+    10 x route_age_step after it; later ones, however many, queue behind it."""
+    async with make_bus(real_backend, servers, route_age_step=0.05) as bus:
+        client = bus.client("req")
+        low = await client.request_handoff(routed(["x"], priority=10, reason="low"))
+        created = (await low.status()).created_ms
+        early = [await client.request_handoff(routed(["x"], reason=f"early{i}")) for i in range(50)]
+        # a timer, not synchronisation: the bound is 10 x 50 ms = 500 ms after "low" was made
+        await anyio.sleep(max(0.0, created + 600 - await bus.server_time_ms()) / 1000)
+        late = [await client.request_handoff(routed(["x"], reason=f"late{i}")) for i in range(50)]
+        for handle in early:
+            assert (await handle.status()).created_ms < created + 500
+        agent = Specialist("one-1", ["x"])
+        async with serving(bus, agent, concurrency=1):
+            await outcomes([low, *early, *late])
+    # strict priority would serve "low" last; ageing serves it before everything made after its bound
+    assert agent.order == [f"early{i}" for i in range(50)] + ["low"] + [f"late{i}" for i in range(50)]
