@@ -619,6 +619,15 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def report(result: dict[str, Any], render: Callable[[dict[str, Any]], str], path: str) -> None:
+    """Print the table and write the same numbers as JSON (what every benchmark script ends with)."""
+    print(render(result))
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--url", help="server to use (default: start an EmbeddedServer on a unix socket)")
@@ -636,12 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.n <= 0 or args.inflight <= 0 or args.rounds <= 0 or args.payload < 0:
         parser.error("--n, --inflight and --rounds must be positive, --payload non-negative")
-    result = anyio.run(run, args, backend="asyncio")
-    print(render(result))
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    report(anyio.run(run, args, backend="asyncio"), render, args.json)
     return 0
 
 

@@ -20,7 +20,6 @@ bare and batched streams loops of bench_core.py run in this same process.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import signal
@@ -41,6 +40,7 @@ from bench_core import (
     latency_ms,
     median_run,
     padded_context,
+    report,
     server_cpu,
     server_info,
 )
@@ -249,12 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--modes takes direct, routed or both")
     if min(args.processes) <= 0 or args.n <= 0 or args.inflight <= 0 or args.rounds <= 0 or args.concurrency <= 0:
         parser.error("--processes, --n, --inflight, --concurrency and --rounds must be positive")
-    result = anyio.run(run, args, backend="asyncio")
-    print(render(result))
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    report(anyio.run(run, args, backend="asyncio"), render, args.json)
     return 0
 
 

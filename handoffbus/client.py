@@ -124,7 +124,7 @@ class HandoffClient:
         reader = bus.reader(self.agent_id, self._refresh)
         waiter = reader.watch(handoff_id)
         assert request.timeout is not None
-        caps = capability_set(request.capabilities_required)
+        caps = "" if request.to_agent else capability_set(request.capabilities_required)
         calls = [("request", keys.as_list(), [
             handoff_id, request.request_id, self.agent_id, request.to_agent, int(request.timeout * 1000),
             envelope, bus.config.retention_ms, bus.config.response_retention_ms, fingerprint,

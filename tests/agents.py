@@ -137,7 +137,7 @@ class Flaky(Agent):
 
 
 class Beating(Agent):
-    """Renews its hold between steps; ``taken`` is set once the handler learned it lost it."""
+    """Renews its hold between steps; ``told`` is set once the handler learned it lost it."""
 
     agent_id = "beating-1"
 
@@ -146,6 +146,7 @@ class Beating(Agent):
         self.started = anyio.Event()
         self.proceed = anyio.Event()
         self.lost: list[str] = []
+        self.told = anyio.Event()
 
     async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
         await handoff.heartbeat()  # held: returns quietly
@@ -155,5 +156,6 @@ class Beating(Agent):
             await handoff.heartbeat()
         except LeaseLost as exc:
             self.lost.append(exc.holder)
+            self.told.set()
             raise
         return "finished"

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import pytest
 import redis.asyncio as aioredis
 
-from handoffbus import EmbeddedServer, HandoffBus, HandoffStatus, Worker
+from handoffbus import EmbeddedServer, HandoffBus, HandoffClient, HandoffResponse, HandoffStatus, Worker
 
 from .agents import Echo
 from .conftest import SERVER_BINARIES, start_server
@@ -75,39 +77,45 @@ async def blocked_clients(admin: aioredis.Redis, count: int) -> list[int]:
             await anyio.sleep(0.01)  # polling the server's client list: it has no change event
 
 
+async def handled(client: HandoffClient, reason: str) -> HandoffResponse:
+    """Request a handoff of the Echo worker and wait for its outcome."""
+    handle = await client.request_handoff(req("req", "echo-1", reason=reason))
+    with anyio.fail_after(10):
+        return await handle.outcome()
+
+
+@asynccontextmanager
+async def serving_echo(server: EmbeddedServer, block: float, **settings: Any) -> AsyncIterator[
+        tuple[aioredis.Redis, HandoffClient, Worker]]:
+    """An admin connection, a requester and a running Echo worker that has completed one handoff."""
+    admin = aioredis.Redis(unix_socket_path=str(server.socket_path))
+    try:
+        async with HandoffBus.connect(server.url, **settings) as bus, anyio.create_task_group() as tg:
+            worker = Worker(bus, Echo(), block=block)
+            await tg.start(worker.run)
+            client = bus.client("req")
+            assert (await handled(client, "before")).status is HandoffStatus.COMPLETED
+            yield admin, client, worker
+            worker.drain()
+    finally:
+        await admin.aclose()
+
+
 async def test_unblocked_readers_carry_on(own_server: EmbeddedServer, watch_log: type[LogSeen]) -> None:
     seen = watch_log("UNBLOCKED")
-    admin = aioredis.Redis(unix_socket_path=str(own_server.socket_path))
-    async with HandoffBus.connect(own_server.url, read_block=30.0) as bus, anyio.create_task_group() as tg:
-        worker = Worker(bus, Echo(), block=30.0)
-        await tg.start(worker.run)
-        client = bus.client("req")
-        first = await client.request_handoff(req("req", "echo-1", reason="before"))
-        with anyio.fail_after(10):
-            assert (await first.outcome()).status is HandoffStatus.COMPLETED
+    async with serving_echo(own_server, block=30.0, read_block=30.0) as (admin, client, _worker):
         # the worker waits on its doorbell, the requester's reader on its responses: both blocked
         for client_id in await blocked_clients(admin, 2):
             assert await admin.client_unblock(client_id, error=True)
         with anyio.fail_after(10):
             await seen.events["UNBLOCKED"].wait()
-        second = await client.request_handoff(req("req", "echo-1", reason="after"))
-        with anyio.fail_after(10):
-            outcome = await second.outcome()
+        outcome = await handled(client, "after")
         assert outcome.status is HandoffStatus.COMPLETED and outcome.result["echo"] == "after"
-        worker.drain()
-    await admin.aclose()
 
 
 async def test_readonly_after_demotion_then_resume(own_server: EmbeddedServer, watch_log: type[LogSeen]) -> None:
     seen = watch_log("read only replica")
-    admin = aioredis.Redis(unix_socket_path=str(own_server.socket_path))
-    async with HandoffBus.connect(own_server.url) as bus, anyio.create_task_group() as tg:
-        worker = Worker(bus, Echo(), block=0.1)
-        await tg.start(worker.run)
-        client = bus.client("req")
-        first = await client.request_handoff(req("req", "echo-1", reason="before"))
-        with anyio.fail_after(10):
-            assert (await first.outcome()).status is HandoffStatus.COMPLETED
+    async with serving_echo(own_server, block=0.1) as (admin, client, worker):
         # a failover demotes the server: its master is unreachable, so it keeps its data
         await admin.execute_command("REPLICAOF", "127.0.0.1", unused_port())
         try:
@@ -115,10 +123,6 @@ async def test_readonly_after_demotion_then_resume(own_server: EmbeddedServer, w
                 await seen.events["read only replica"].wait()  # the worker's next take was refused
         finally:
             await admin.execute_command("REPLICAOF", "NO", "ONE")
-        second = await client.request_handoff(req("req", "echo-1", reason="after"))
-        with anyio.fail_after(10):
-            outcome = await second.outcome()
+        outcome = await handled(client, "after")
         assert outcome.status is HandoffStatus.COMPLETED and outcome.result["echo"] == "after"
-        worker.drain()
     assert worker.handled == {HandoffStatus.COMPLETED: 2}
-    await admin.aclose()

@@ -68,8 +68,7 @@ async def test_heartbeat_tells_a_handler_it_was_taken_over(bus: HandoffBus) -> N
         await bus.redis.hset(record_key, "lease", "the-other-worker")
         agent.proceed.set()
         with anyio.fail_after(10):
-            while not agent.lost:
-                await worker._wait_change()
+            await agent.told.wait()
         worker.drain()
     assert agent.lost == ["the-other-worker"]
     # this worker wrote no outcome: the handoff is still the new holder's to finish

@@ -3,8 +3,9 @@ agent can serve (see handoffbus/routing.py and docs/routing.md).
 
 A pull claims handoffs in the set's slot, offers them to this agent on their records, and
 admits the ones it got into the agent's own inbox, delivered to this worker: from there they
-are handled like direct handoffs, crash recovery included. Claims are acknowledged right
-after; a worker that dies before that leaves claims that return to the queue by themselves.
+are handled like direct handoffs, crash recovery included. Claims are acknowledged in the
+same round trip as the admit; a worker that dies before that leaves claims that return to
+the queue by themselves.
 """
 
 from __future__ import annotations
@@ -83,18 +84,23 @@ class RouteFeed:
         offers = await bus.scripts_many([bus.router.assign_call(hid, self.agent) for _, hid in pulled])
         mine = [hid for (_, hid), r in zip(pulled, offers, strict=True)
                 if not isinstance(r, BaseException) and int(r[0]) == 1]
-        delivered: list[Delivery] = []
-        if mine:
-            reply = await bus.script("admit", bus.keys.target(self.agent).as_list(), [GROUP, self.consumer, *mine])
-            delivered = [Delivery(handoff_id=reply[i].decode(), entry_id=reply[i + 1].decode())
-                         for i in range(0, len(reply), 2)]
-        # the claims are done with: taken into the inbox, or decided/offered elsewhere meanwhile
+        # admit what was offered to us, and release every claim, in one round trip: a claim is
+        # done with once its handoff is in the inbox, or decided or offered elsewhere meanwhile
+        # (if the admit fails, the offer lapses and the sweep routes the handoff again)
         acks: dict[str, list[Any]] = {}
         for sid, hid in pulled:
             acks.setdefault(sid, []).append(hid)
-        for reply in await bus.scripts_many([
+        calls: list[tuple[str, list[str], list[Any]]] = [
             ("pull", bus.keys.route(sid).as_list(), [self.agent, 0, 0, 0, *hids]) for sid, hids in acks.items()
-        ]):
+        ]
+        if mine:
+            calls.append(("admit", bus.keys.target(self.agent).as_list(), [GROUP, self.consumer, *mine]))
+        replies = await bus.scripts_many(calls)
+        for reply in replies:
             if isinstance(reply, BaseException):
                 raise reply
-        return delivered
+        if not mine:
+            return []
+        admitted = replies[-1]
+        return [Delivery(handoff_id=admitted[i].decode(), entry_id=admitted[i + 1].decode())
+                for i in range(0, len(admitted), 2)]

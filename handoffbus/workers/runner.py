@@ -210,11 +210,13 @@ class Worker:
             entries = list(self._entries.values())
             if entries:
                 try:
-                    await self.bus.redis.xclaim(
-                        self._inbox_key, GROUP, self.consumer, 0, entries, justid=True
-                    )
+                    await self._touch(entries)
                 except (RedisError, OSError) as exc:
                     log.warning("%s: heartbeat failed (%s)", self.consumer, exc)
+
+    async def _touch(self, entries: list[str]) -> None:
+        """Reset the idle time of inbox entries this worker is handling (XCLAIM JUSTID to itself)."""
+        await self.bus.redis.xclaim(self._inbox_key, GROUP, self.consumer, 0, entries, justid=True)
 
     async def wait_reclaim_pass(self) -> None:
         """Return after the reclaim loop's next look for idle entries (for operators and tests)."""
@@ -414,7 +416,7 @@ class Worker:
         entry = self._entries.get(hid)
         requester, request_id = split_handoff_id(hid)
         if entry is not None:
-            await self.bus.redis.xclaim(self._inbox_key, GROUP, self.consumer, 0, [entry], justid=True)
+            await self._touch([entry])
         holder = await self.bus.redis.hget(self.bus.keys.record(requester, request_id).record, "lease")
         if holder != self.consumer.encode():
             raise LeaseLost(hid, (holder or b"").decode())
