@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--grace", type=float, default=30.0, help="seconds to finish running handlers on stop")
     worker.add_argument("--reclaim-idle", type=float, default=30.0,
                         help="seconds after which work left idle by a dead worker is taken over (default 30)")
+    worker.add_argument("--offer-time", type=float, default=30.0,
+                        help="seconds this worker's agents have to decide a routed offer before it goes "
+                             "to another agent (default 30)")
     worker.add_argument("--redis-url", default=None,
                         help="server (default: HANDOFFBUS_REDIS_URL, then REDIS_URL)")
     worker.add_argument("--prefix", default="hb", help="key prefix (default hb)")
@@ -68,7 +71,7 @@ def _worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     async def serve() -> None:
-        async with HandoffBus.connect(url, prefix=args.prefix) as bus:
+        async with HandoffBus.connect(url, prefix=args.prefix, offer_time=args.offer_time) as bus:
             workers = [
                 Worker(bus, agent_class(), concurrency=args.concurrency, grace=args.grace,
                        reclaim_idle=args.reclaim_idle)

@@ -16,6 +16,7 @@ the directory of live agents, and ``Router.reroute``.
 from __future__ import annotations
 
 import hashlib
+import random
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -129,14 +130,16 @@ class Directory:
 
     @staticmethod
     def capable(agents: Sequence[AgentInfo], canonical: str, exclude: Iterable[str] = ()) -> list[AgentInfo]:
-        """Agents with every capability of the set and a worker not draining, least loaded first."""
+        """Agents with every capability of the set and a worker not draining, least loaded first;
+        equally loaded ones in random order, so that the ones rung are not always the same few
+        (the loads a requester sees are up to a heartbeat old, and often all equal)."""
         skip = set(exclude)
         found = [
             a for a in agents
             if a.agent_id not in skip and serves(a.capabilities, canonical)
             and any(w.state != "DRAINING" for w in a.workers)
         ]
-        return sorted(found, key=lambda a: (a.load / max(a.limit, 1), a.agent_id))
+        return sorted(found, key=lambda a: (a.load / max(a.limit, 1), random.random()))
 
 
 class Router:
@@ -183,12 +186,12 @@ class Router:
             bus.codec.dumps_value({"refused": list(refused)}),
         ]
 
-    def assign_call(self, handoff_id: str, agent: str) -> Call:
+    def assign_call(self, handoff_id: str, agent: str, chosen_ms: int = 0) -> Call:
         bus = self._bus
         requester, request_id = split_handoff_id(handoff_id)
         return "assign", bus.keys.record(requester, request_id).as_list(), [
             handoff_id, request_id, agent, int(bus.config.offer_time * 1000), bus.config.retention_ms,
-            bus.config.response_retention_ms,
+            bus.config.response_retention_ms, chosen_ms,
         ]
 
     def response(self, handoff_id: str, reply: Sequence[Any]) -> HandoffResponse | None:
@@ -207,6 +210,9 @@ class Router:
             return []
         bus = self._bus
         agents = await self.directory.agents(max_age=0.5)
+        if any(item.refused_agents and not Directory.capable(agents, item.caps, exclude=item.refused_agents)
+               for item in items):
+            agents = await self.directory.agents(max_age=0)  # NO_CAPABLE_AGENT is final: decide on a fresh view
         results: list[HandoffResponse | None] = [None] * len(items)
         redirected: list[Reroute] = []
         calls: list[Call] = []

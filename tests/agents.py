@@ -159,3 +159,16 @@ class Beating(Agent):
             self.told.set()
             raise
         return "finished"
+
+
+class Doomed(Agent):
+    """A routed agent that reports each offer it is chosen for on stdout and never decides it:
+    the test kills its process while it holds them."""
+
+    agent_id = "doomed-1"
+    capabilities = ["a", "b"]
+
+    async def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+        print(f"chosen {request.request_id}", flush=True)
+        await anyio.sleep_forever()
+        return Accept()

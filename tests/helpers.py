@@ -2,19 +2,59 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
+from anyio.abc import Process
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 from handoffbus import HandoffBus, HandoffHandle, HandoffRequest, HandoffResponse
 from handoffbus.workers import Agent, Worker
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def start_worker(url: str, prefix: str, agent: str, *extra: str) -> tuple[Process, BufferedByteReceiveStream]:
+    """A ``handoffbus worker`` process serving ``agent`` (tests.agents:Name), once it says it
+    serves; with its stdout, to read the lines it prints after that."""
+    process = await anyio.open_process(
+        [sys.executable, "-m", "handoffbus", "worker", agent, "--redis-url", url, "--prefix", prefix, *extra],
+        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert process.stdout is not None
+    lines = BufferedByteReceiveStream(process.stdout)
+    with anyio.fail_after(30):
+        assert b"serving" in await lines.receive_until(b"\n", 4096)
+    return process, lines
 
 
 def req(frm: str, to: str, **kw: Any) -> HandoffRequest:
     kw.setdefault("reason", "test")
     kw.setdefault("timeout", 60.0)
     return HandoffRequest(from_agent=frm, to_agent=to, **kw)
+
+
+def routed(caps: Sequence[str], **kw: Any) -> HandoffRequest:
+    """A capability-routed request: no target agent, only the capabilities it needs."""
+    kw.setdefault("reason", "r")
+    return HandoffRequest(from_agent="req", to_agent="", capabilities_required=list(caps), **kw)
+
+
+@asynccontextmanager
+async def serving(bus: HandoffBus, *agents: Agent, **options: Any) -> AsyncIterator[list[Worker]]:
+    """Workers for ``agents`` while the block runs; drained after it."""
+    async with anyio.create_task_group() as tg:
+        workers = [Worker(bus, agent, **options) for agent in agents]
+        for worker in workers:
+            await tg.start(worker.run)
+        yield workers
+        for worker in workers:
+            worker.drain()
 
 
 async def prefix_keys(bus: HandoffBus) -> list[bytes]:

@@ -157,7 +157,7 @@ async def build_state(bus: HandoffBus) -> None:
         ))
     route = bus.keys.route(set_id(ROUTED_SET))
     pulled = await bus.script("pull", route.as_list(), ["review-bot-1", 1, 600_000, 64])
-    assert [h.decode() for h in pulled[1:]] == [f"{REQUESTER}/req-45"]
+    assert [h.decode() for h in pulled[2:]] == [f"{REQUESTER}/req-45"]
 
     record = await requester.get_handoff_status(f"{REQUESTER}/req-42")
     assert record is not None and record.status is HandoffStatus.PENDING

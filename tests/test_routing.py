@@ -4,26 +4,20 @@ offers, late joiners, priority order with ageing, and fairness."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 import pytest
 
 from handoffbus import HandoffBus, HandoffHandle, HandoffRequest, HandoffResponse, HandoffStatus
-from handoffbus.workers import Accept, Agent, AgentState, ReceivedHandoff, Reject, Worker
+from handoffbus.workers import Accept, Agent, AgentState, ReceivedHandoff, Reject
 
 from .conftest import make_bus
-from .helpers import response_statuses
+from .helpers import response_statuses, routed, serving
 
 pytestmark = pytest.mark.anyio
 S = HandoffStatus
-
-
-def routed(caps: Sequence[str], **kw: Any) -> HandoffRequest:
-    kw.setdefault("reason", "r")
-    return HandoffRequest(from_agent="req", to_agent="", capabilities_required=list(caps), **kw)
 
 
 class Specialist(Agent):
@@ -46,17 +40,6 @@ class Specialist(Agent):
     async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
         self.order.append(handoff.request.reason)
         return {"by": self.agent_id}
-
-
-@asynccontextmanager
-async def serving(bus: HandoffBus, *agents: Agent, **options: Any) -> AsyncIterator[list[Worker]]:
-    async with anyio.create_task_group() as tg:
-        workers = [Worker(bus, agent, **options) for agent in agents]
-        for worker in workers:
-            await tg.start(worker.run)
-        yield workers
-        for worker in workers:
-            worker.drain()
 
 
 async def outcomes(handles: Sequence[HandoffHandle], limit: float = 30) -> list[HandoffResponse]:

@@ -2,37 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import sys
-from pathlib import Path
 
 import anyio
 import pytest
-from anyio.abc import Process
 
 from handoffbus import HandoffBus, HandoffStatus
 from handoffbus.workers import Worker
 
 from .agents import Quick, Sleepy
 from .conftest import make_bus
-from .helpers import req, response_statuses
+from .helpers import req, response_statuses, start_worker
 
 pytestmark = pytest.mark.anyio
-ROOT = Path(__file__).resolve().parent.parent
 IDLE = 1.0
-
-
-async def start_worker(url: str, prefix: str, agent: str, *extra: str) -> Process:
-    process = await anyio.open_process(
-        [sys.executable, "-m", "handoffbus", "worker", agent, "--redis-url", url, "--prefix", prefix,
-         "--reclaim-idle", str(IDLE), *extra],
-        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert process.stdout is not None
-    with anyio.fail_after(30):
-        assert b"serving" in await process.stdout.receive()
-    return process
 
 
 async def wait_accepted(bus: HandoffBus, handles: list) -> None:
@@ -43,8 +26,8 @@ async def wait_accepted(bus: HandoffBus, handles: list) -> None:
 
 async def test_work_of_a_killed_worker_is_finished_by_another(real_backend: str, servers: dict) -> None:
     async with make_bus(real_backend, servers) as bus:
-        doomed = await start_worker(servers[real_backend].url, bus.config.prefix, "tests.agents:Sleepy",
-                                    "--concurrency", "200")
+        doomed, _ = await start_worker(servers[real_backend].url, bus.config.prefix, "tests.agents:Sleepy",
+                                       "--reclaim-idle", str(IDLE), "--concurrency", "200")
         client = bus.client("req")
         handles = [await client.request_handoff(req("req", "sleepy-1", reason=f"r{i}")) for i in range(200)]
         await wait_accepted(bus, handles)  # all 200 in the doomed worker's hands
@@ -72,7 +55,8 @@ async def test_work_of_a_killed_worker_is_finished_by_another(real_backend: str,
 
 async def test_a_frozen_worker_cannot_write_an_outcome_when_it_wakes(real_backend: str, servers: dict) -> None:
     async with make_bus(real_backend, servers) as bus:
-        zombie = await start_worker(servers[real_backend].url, bus.config.prefix, "tests.agents:Sleepy")
+        zombie, _ = await start_worker(servers[real_backend].url, bus.config.prefix, "tests.agents:Sleepy",
+                                       "--reclaim-idle", str(IDLE))
         handle = await bus.client("req").request_handoff(
             req("req", "sleepy-1", reason="z", metadata={"work_s": 3 * IDLE})
         )

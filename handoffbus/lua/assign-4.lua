@@ -6,6 +6,8 @@
   KEYS[1] record hash   KEYS[2] pending marker   KEYS[3] deadline index   KEYS[4] response stream
   ARGV[1] handoff id    ARGV[2] request id       ARGV[3] agent
   ARGV[4] offer time ms   ARGV[5] record retention ms   ARGV[6] response stream retention ms
+  ARGV[7] when the agent was chosen (server ms, from `pull`; 0 = now): the OFFERED step's time,
+          so that the route shows the order in which a set's queue gave its handoffs out
 
   Returns:
     {1} offered to the agent now (or again: the same agent renews its offer)
@@ -29,6 +31,8 @@ if rec.to ~= '' and rec.to ~= agent then
   chain = chain_add(KEYS[1], chain, rec.to, 'LAPSED', now, nil)
 end
 redis.call('HSET', KEYS[1], 'to', agent)
-if rec.to ~= agent then chain_add(KEYS[1], chain, agent, 'OFFERED', now, nil) end
+local chosen = tonumber(ARGV[7])
+if not chosen or chosen == 0 or chosen > now then chosen = now end
+if rec.to ~= agent then chain_add(KEYS[1], chain, agent, 'OFFERED', chosen, nil) end
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), 'o:' .. request_id)
 return {1}

@@ -9,7 +9,8 @@
   to look at (entries this agent refused or deferred are skipped)
   ARGV[5..] handoff ids whose claims this worker acknowledges first
 
-  Returns {queued count after this pull, handoff id, ...}. Entries past their deadline are
+  Returns {queued count after this pull, server time of the pull (ms), handoff id, ...}: the
+  time is when the agent was chosen, recorded by `assign`. Entries past their deadline are
   dropped on the way (their records expire by themselves).
 ]]
 -- @include route
@@ -27,7 +28,7 @@ for _, hid in ipairs(stale) do
   if meta then redis.call('ZADD', KEYS[1], parse_meta(meta), hid) end
 end
 
-local out = {0}
+local out = {0, now}
 if count > 0 then
   local head = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[4]) - 1)
   local claimed_until = now + tonumber(ARGV[3])
@@ -42,7 +43,7 @@ if count > 0 then
       redis.call('ZREM', KEYS[1], hid)
       redis.call('ZADD', KEYS[3], claimed_until, hid)
       out[#out + 1] = hid
-      if #out > count then break end
+      if #out - 2 >= count then break end
     end
   end
 end

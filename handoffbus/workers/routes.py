@@ -70,7 +70,7 @@ class RouteFeed:
             ("pull", bus.keys.route(sid).as_list(),
              [self.agent, quota[sid], int(config.route_claim * 1000), SCAN]) for sid in asked
         ])
-        pulled: list[tuple[str, str]] = []
+        pulled: list[tuple[str, str, int]] = []  # (set id, handoff id, when it was chosen)
         for sid, reply in zip(asked, replies, strict=True):
             if isinstance(reply, BaseException):
                 raise reply
@@ -78,17 +78,17 @@ class RouteFeed:
                 self._waiting.add(sid)
             else:
                 self._waiting.discard(sid)
-            pulled += [(sid, h.decode()) for h in reply[1:]]
+            pulled += [(sid, h.decode(), int(reply[1])) for h in reply[2:]]
         if not pulled:
             return []
-        offers = await bus.scripts_many([bus.router.assign_call(hid, self.agent) for _, hid in pulled])
-        mine = [hid for (_, hid), r in zip(pulled, offers, strict=True)
+        offers = await bus.scripts_many([bus.router.assign_call(hid, self.agent, at) for _, hid, at in pulled])
+        mine = [hid for (_, hid, _), r in zip(pulled, offers, strict=True)
                 if not isinstance(r, BaseException) and int(r[0]) == 1]
         # admit what was offered to us, and release every claim, in one round trip: a claim is
         # done with once its handoff is in the inbox, or decided or offered elsewhere meanwhile
         # (if the admit fails, the offer lapses and the sweep routes the handoff again)
         acks: dict[str, list[Any]] = {}
-        for sid, hid in pulled:
+        for sid, hid, _ in pulled:
             acks.setdefault(sid, []).append(hid)
         calls: list[tuple[str, list[str], list[Any]]] = [
             ("pull", bus.keys.route(sid).as_list(), [self.agent, 0, 0, 0, *hids]) for sid, hids in acks.items()
