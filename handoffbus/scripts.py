@@ -44,6 +44,7 @@ SCRIPT_NAMES = (
     "pull",
     "assign",
     "admit",
+    "restore",
     "ring",
     "unroutable",
 )
@@ -128,5 +129,6 @@ class Scripts:
     pull: Script
     assign: Script
     admit: Script
+    restore: Script
     ring: Script
     unroutable: Script

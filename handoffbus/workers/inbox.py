@@ -53,6 +53,16 @@ class Inbox:
         reply = await self._bus.redis.xread({self._keys[4]: bell}, count=1, block=block_ms)
         return bool(reply)
 
+    async def restore(self) -> int:
+        """Recreate the consumer group if it (or the inbox stream) was deleted, re-issuing an
+        entry for every in-flight handoff; returns how many were re-issued."""
+        return int(await self._bus.script("restore", self._keys, [GROUP]))
+
+    async def entries(self, handoff_ids: Sequence[str]) -> dict[str, str]:
+        """The current inbox entry of each in-flight handoff (absent once settled)."""
+        rows = await self._bus.redis.hmget(self._keys[2], list(handoff_ids))
+        return {hid: row.decode() for hid, row in zip(handoff_ids, rows, strict=True) if row is not None}
+
     async def settle(self, handoff_ids: Sequence[str]) -> int:
         return await self._bus.settle(self.agent, list(handoff_ids))
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 from anyio.abc import TaskStatus
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from ..backoff import Backoff
 from ..client import rejection_fields
@@ -207,16 +207,41 @@ class Worker:
         """Keep the inbox entries of running handlers fresh, so a long handler is never reclaimed."""
         while True:
             await anyio.sleep(self.reclaim_idle / 3)  # a timer: beats three times per idle period
-            entries = list(self._entries.values())
-            if entries:
+            if self._entries:
                 try:
-                    await self._touch(entries)
+                    await self._touch(list(self._entries))
                 except (RedisError, OSError) as exc:
                     log.warning("%s: heartbeat failed (%s)", self.consumer, exc)
 
-    async def _touch(self, entries: list[str]) -> None:
-        """Reset the idle time of inbox entries this worker is handling (XCLAIM JUSTID to itself)."""
-        await self.bus.redis.xclaim(self._inbox_key, GROUP, self.consumer, 0, entries, justid=True)
+    async def _touch(self, hids: list[str]) -> None:
+        """Reset the idle time of the inbox entries of handoffs this worker is handling (XCLAIM
+        JUSTID to itself). An entry that is gone was re-issued when the group was restored
+        after a deletion: adopt the new one, before another worker claims it as idle."""
+        held = {hid: self._entries[hid] for hid in hids if hid in self._entries}
+        try:
+            claimed = await self.bus.redis.xclaim(
+                self._inbox_key, GROUP, self.consumer, 0, list(held.values()), justid=True)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            await self._restore()
+            claimed = []
+        kept = {c.decode() if isinstance(c, bytes) else c for c in claimed}
+        lost = [hid for hid, entry in held.items() if entry not in kept]
+        if not lost:
+            return
+        moved = {hid: entry for hid, entry in (await self._inbox.entries(lost)).items() if entry != held[hid]}
+        if moved:
+            await self.bus.redis.xclaim(self._inbox_key, GROUP, self.consumer, 0, list(moved.values()), justid=True)
+            for hid, entry in moved.items():
+                if hid in self._entries:
+                    self._entries[hid] = entry
+
+    async def _restore(self) -> None:
+        restored = await self._inbox.restore()
+        if restored:
+            log.warning("%s: the consumer group of %s was deleted; recreated it and re-issued %d in-flight "
+                        "handoffs from their records", self.consumer, self.agent.agent_id, restored)
 
     async def wait_reclaim_pass(self) -> None:
         """Return after the reclaim loop's next look for idle entries (for operators and tests)."""
@@ -250,6 +275,15 @@ class Worker:
                 return cursor
             counts = await self._delivery_counts(taken)
             loaded = await self._inbox.load([d.handoff_id for d in taken])
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                log.warning("%s: reclaim failed (%s)", self.consumer, exc)
+                return cursor
+            try:
+                await self._restore()  # the group or the stream was deleted: rebuild it from the index
+            except (RedisError, OSError) as again:
+                log.warning("%s: restoring the consumer group failed (%s)", self.consumer, again)
+            return "0-0"
         except (RedisError, OSError) as exc:
             log.warning("%s: reclaim failed (%s)", self.consumer, exc)
             return cursor
@@ -416,7 +450,7 @@ class Worker:
         entry = self._entries.get(hid)
         requester, request_id = split_handoff_id(hid)
         if entry is not None:
-            await self._touch([entry])
+            await self._touch([hid])
         holder = await self.bus.redis.hget(self.bus.keys.record(requester, request_id).record, "lease")
         if holder != self.consumer.encode():
             raise LeaseLost(hid, (holder or b"").decode())

@@ -21,21 +21,41 @@ local function settle(group, hid)
   return removed
 end
 
+-- Consumer holding restored entries until their live handler adopts them or, its worker
+-- being gone, a live worker claims them once idle.
+local RESTORED = '_restored'
+
+-- Create the consumer group if it is missing: on first use, or when the group or the whole
+-- stream was deleted under running workers. In the latter case every in-flight handoff
+-- (KEYS[3], the index that outlives both) lost its pending entry: each gets a new entry,
+-- delivered to RESTORED, and its old entry (if the stream survived) is deleted. The group
+-- starts at the stream's end, so only the entries added after this are ever delivered.
+-- Returns how many in-flight handoffs were restored.
+local function ensure_group(group)
+  if not pcall(redis.call, 'XGROUP', 'CREATE', KEYS[2], group, '$', 'MKSTREAM') then return 0 end
+  local flat = redis.call('HGETALL', KEYS[3])
+  for i = 1, #flat, 2 do
+    redis.call('XDEL', KEYS[2], flat[i + 1])
+    redis.call('HSET', KEYS[3], flat[i], redis.call('XADD', KEYS[2], '*', 'h', flat[i]))
+  end
+  if #flat > 0 then
+    redis.call('XREADGROUP', 'GROUP', group, RESTORED, 'COUNT', #flat / 2, 'STREAMS', KEYS[2], '>')
+  end
+  return #flat / 2
+end
+
 -- Add handoffs to the inbox and deliver them to `consumer` at once, so they sit in its
 -- pending entries list from the first moment. Appends {handoff id, entry id} pairs to `out`.
--- The group is created if missing (first use, or deleted under running workers) at the
--- stream's end, so that '>' delivers exactly the entries added here. Entries a deleted group
--- had delivered stay listed in KEYS[3] with their records, for recovery.
 local function deliver(group, consumer, hids, out)
   if #hids == 0 then return out end
-  pcall(redis.call, 'XGROUP', 'CREATE', KEYS[2], group, '$', 'MKSTREAM')
+  ensure_group(group)
   for _, hid in ipairs(hids) do
     local entry = redis.call('XADD', KEYS[2], '*', 'h', hid)
     redis.call('HSET', KEYS[3], hid, entry)
     out[#out + 1] = hid
     out[#out + 1] = entry
   end
-  -- deliver what was just added (nothing else is undelivered: only deliver() adds entries)
+  -- deliver what was just added (nothing else is undelivered: only this file adds entries)
   redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', #hids, 'STREAMS', KEYS[2], '>')
   return out
 end
