@@ -25,6 +25,7 @@ from .errors import InvalidTransition as InvalidTransition
 from .errors import LeaseLost as LeaseLost
 from .errors import NotPermitted as NotPermitted
 from .errors import PayloadTooLarge as PayloadTooLarge
+from .errors import QueueFull as QueueFull
 from .errors import RequestConflict as RequestConflict
 from .errors import ServerUnsupported as ServerUnsupported
 from .handle import HandoffHandle as HandoffHandle
@@ -78,6 +79,7 @@ __all__ = [
     "PayloadCodec",
     "PayloadTooLarge",
     "PendingHandoff",
+    "QueueFull",
     "ReceivedHandoff",
     "Reject",
     "RequestConflict",

@@ -202,8 +202,10 @@ class HandoffBus:
     async def register_target(self, agent: str) -> None:
         await self._register(self._known_targets, self.keys.targets, agent)
 
-    def enqueue_call(self, target: str, handoff_id: str, priority: int) -> tuple[str, list[str], list[Any]]:
-        return "enqueue", self.keys.target(target).as_list(), [handoff_id, priority]
+    def enqueue_call(
+        self, target: str, handoff_id: str, priority: int, cap: int = 0
+    ) -> tuple[str, list[str], list[Any]]:
+        return "enqueue", self.keys.target(target).as_list(), [handoff_id, priority, cap]
 
     async def enqueue(self, target: str, handoff_id: str, priority: int) -> bool:
         await self.register_target(target)

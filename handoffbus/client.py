@@ -11,7 +11,7 @@ import msgspec
 
 from . import errors
 from .config import MAX_PRIORITY
-from .errors import DecodeError, InvalidRequest, NotPermitted, raise_for_code
+from .errors import QUEUE_FULL, DecodeError, InvalidRequest, NotPermitted, raise_for_code
 from .handle import HandoffHandle
 from .models import (
     TERMINAL,
@@ -134,7 +134,7 @@ class HandoffClient:
             # the enqueue runs right after the record exists; for a resubmission it finds the
             # handoff queued or in flight (a no-op), or queues a decided one, taken back below
             await bus.register_target(request.to_agent)
-            calls.append(bus.enqueue_call(request.to_agent, handoff_id, request.priority))
+            calls.append(bus.enqueue_call(request.to_agent, handoff_id, request.priority, bus.config.max_queued))
         else:
             calls += await self._route_calls(handoff_id, caps, request, fail_fast)
         replies = await bus.scripts_many(calls)
@@ -144,6 +144,11 @@ class HandoffClient:
                 raise failed
         reply = replies[0]
         code = int(reply[0])
+        if request.to_agent and replies[1] == QUEUE_FULL:
+            reader.forget(waiter)
+            if code == 1:  # created by this call: take it back, so that nothing is left behind
+                await bus.script("withdraw", keys.as_list(), [request.request_id])
+            raise_for_code(QUEUE_FULL, handoff_id, self.agent_id, "request", request.to_agent.encode())
         status = HandoffStatus(reply[1].decode()) if code >= 0 else None
         if request.to_agent and replies[1] == 1 and status is not HandoffStatus.PENDING:
             # a refused or resubmitted-after-decision request: take back the queue entry this

@@ -16,6 +16,7 @@ __all__ = [
     "LeaseLost",
     "NotPermitted",
     "PayloadTooLarge",
+    "QueueFull",
     "RequestConflict",
     "ServerUnsupported",
     "raise_for_code",
@@ -98,6 +99,16 @@ class RequestConflict(HandoffbusError):
         self.handoff_id = handoff_id
 
 
+class QueueFull(HandoffbusError):
+    """Backpressure: the target agent already has ``max_queued`` handoffs queued or in flight.
+    Nothing was created; retry later (the same request id may be reused)."""
+
+    def __init__(self, handoff_id: str, target: str) -> None:
+        super().__init__(f"{target!r} has too many handoffs queued or in flight; {handoff_id!r} was not created")
+        self.handoff_id = handoff_id
+        self.target = target
+
+
 class ServerUnsupported(HandoffbusError):
     """The Redis server is older than the supported minimum."""
 
@@ -109,6 +120,7 @@ EXPIRED = -3
 NOT_PERMITTED = -4
 CONFLICT = -5
 LEASE_LOST = -6
+QUEUE_FULL = -7
 
 
 def raise_for_code(code: int, handoff_id: str, actor: str, attempted: str, detail: bytes | None) -> NoReturn:
@@ -125,4 +137,6 @@ def raise_for_code(code: int, handoff_id: str, actor: str, attempted: str, detai
         raise RequestConflict(handoff_id)
     if code == LEASE_LOST:
         raise LeaseLost(handoff_id, (detail or b"").decode())
+    if code == QUEUE_FULL:
+        raise QueueFull(handoff_id, (detail or b"").decode())
     raise HandoffbusError(f"unexpected script code {code} for {attempted} on {handoff_id!r}")

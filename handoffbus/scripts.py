@@ -45,6 +45,7 @@ SCRIPT_NAMES = (
     "assign",
     "admit",
     "restore",
+    "withdraw",
     "ring",
     "unroutable",
 )
@@ -130,5 +131,6 @@ class Scripts:
     assign: Script
     admit: Script
     restore: Script
+    withdraw: Script
     ring: Script
     unroutable: Script

@@ -27,23 +27,23 @@ async def wait_accepted(bus: HandoffBus, handles: list) -> None:
 async def test_work_of_a_killed_worker_is_finished_by_another(real_backend: str, servers: dict) -> None:
     async with make_bus(real_backend, servers) as bus:
         doomed, _ = await start_worker(servers[real_backend].url, bus.config.prefix, "tests.agents:Sleepy",
-                                       "--reclaim-idle", str(IDLE), "--concurrency", "200")
+                                       "--reclaim-idle", str(IDLE), "--concurrency", "500")
         client = bus.client("req")
-        handles = [await client.request_handoff(req("req", "sleepy-1", reason=f"r{i}")) for i in range(200)]
-        await wait_accepted(bus, handles)  # all 200 in the doomed worker's hands
+        handles = [await client.request_handoff(req("req", "sleepy-1", reason=f"r{i}")) for i in range(500)]
+        await wait_accepted(bus, handles)  # all 500 in the doomed worker's hands
         doomed.kill()
         await doomed.wait()
         killed_at = anyio.current_time()
         quick = Quick()
         async with anyio.create_task_group() as tg:
-            worker = Worker(bus, quick, concurrency=200, reclaim_idle=IDLE)
+            worker = Worker(bus, quick, concurrency=500, reclaim_idle=IDLE)
             await tg.start(worker.run)
             with anyio.fail_after(30):
                 outcomes = [await h.outcome() for h in handles]
             recovered_in = anyio.current_time() - killed_at
             worker.drain()
         await doomed.aclose()
-        print(f"\n200 handoffs of a SIGKILLed worker finished in {recovered_in:.2f}s (idle {IDLE}s)")
+        print(f"\n500 handoffs of a SIGKILLed worker finished in {recovered_in:.2f}s (idle {IDLE}s)")
         assert recovered_in <= IDLE + 2
         assert all(
             o.status is HandoffStatus.COMPLETED and o.result == {"attempt": 2, "by": "quick"} for o in outcomes
@@ -62,18 +62,23 @@ async def test_a_frozen_worker_cannot_write_an_outcome_when_it_wakes(real_backen
         )
         await wait_accepted(bus, [handle])
         zombie.send_signal(signal.SIGSTOP)  # frozen past the idle time: its work is taken over
+        stopped_at = anyio.current_time()
         quick = Quick()
         async with anyio.create_task_group() as tg:
             worker = Worker(bus, quick, reclaim_idle=IDLE)
             await tg.start(worker.run)
             with anyio.fail_after(30):
                 outcome = await handle.outcome()
+            taken_over_in = anyio.current_time() - stopped_at
+            await anyio.sleep(max(0.0, stopped_at + 2 * IDLE - anyio.current_time()))  # a timer: frozen 2 x idle
+            frozen_for = anyio.current_time() - stopped_at
             zombie.send_signal(signal.SIGCONT)  # it wakes, finishes its sleep and tries to complete
             zombie.send_signal(signal.SIGTERM)  # drain: its handler finishes within the grace period
             with anyio.fail_after(30):
                 assert await zombie.wait() == 0
             worker.drain()
         await zombie.aclose()
+        print(f"\nzombie frozen {frozen_for:.2f}s (idle {IDLE}s); its work finished by another in {taken_over_in:.2f}s")
         assert outcome.result == {"attempt": 2, "by": "quick"}
         assert await response_statuses(bus, "req", handle.handoff_id) == ["ACCEPTED", "COMPLETED"]
         record = await bus.client("req").get_handoff_status(handle.handoff_id)
