@@ -11,7 +11,7 @@ class Backoff:
     """Exponential delays with jitter: each wait is drawn from [d/2, d] and d doubles up to
     ``cap``, so a fleet of workers that lost the same server does not reconnect in step."""
 
-    def __init__(self, first: float = 0.05, cap: float = 5.0) -> None:
+    def __init__(self, first: float = 0.05, cap: float = 2.0) -> None:
         self.first = first
         self.cap = cap
         self._next = first

@@ -27,6 +27,8 @@ from .scripts import Script
 __all__ = ["ScriptBatcher"]
 
 log = logging.getLogger("handoffbus")
+#: times a call that met NOSCRIPT is loaded and sent again before its error is returned
+NOSCRIPT_ROUNDS = 5
 
 
 def _pack_evalsha(call: _Call) -> bytes:
@@ -181,11 +183,14 @@ class ScriptBatcher:
         try:
             replies = await self._execute(batch)
             missing = [c for c, r in zip(batch, replies, strict=True) if _no_script(r)]
-            if missing:
+            for _ in range(NOSCRIPT_ROUNDS):  # the cache may be flushed again between load and retry
+                if not missing:
+                    break
                 for script in {c.script.name: c.script for c in missing}.values():
                     await self._redis.script_load(script.source)
                 retried = dict(zip(map(id, missing), await self._execute(missing), strict=True))
                 replies = [retried.get(id(c), r) for c, r in zip(batch, replies, strict=True)]
+                missing = [c for c in missing if _no_script(retried[id(c)])]
         except Exception as exc:  # the connection failed: every call of the batch hears it
             for call in batch:
                 call.finish(error=exc)

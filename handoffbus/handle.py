@@ -31,6 +31,12 @@ class HandoffHandle:
         self.handoff_id = waiter.handoff_id
         self.request_id = split_handoff_id(waiter.handoff_id)[1]
 
+    @property
+    def deadline_at(self) -> float | None:
+        """When the acceptance deadline falls, on anyio's clock (``anyio.current_time()``), as
+        the server reported it when the request was made (0.0: not known yet; None once decided)."""
+        return self._waiter.deadline_at
+
     def __repr__(self) -> str:
         return f"<HandoffHandle {self.handoff_id!r}>"
 

@@ -36,6 +36,8 @@ class Sweeper:
         self._pass_done = anyio.Event()
         #: number of complete sweep passes this bus has made
         self.passes = 0
+        #: the last pass met a full batch somewhere: sweep again without waiting
+        self.backlog = False
 
     async def wait_pass(self) -> None:
         """Return when this bus finishes its next sweep pass (expiry and queue settlement)."""
@@ -53,6 +55,7 @@ class Sweeper:
         """
         bus = self._bus
         expired = 0
+        self.backlog = False
         by_target: dict[str, list[str]] = defaultdict(list)
         lapsed: list[Reroute] = []  # routed handoffs whose offer lapsed: route them again
         batch: list[str] = []
@@ -70,6 +73,8 @@ class Sweeper:
                     raise reply
                 n_expired, n_lapsed = int(reply[0]), int(reply[1])
                 expired += n_expired
+                if n_expired + n_lapsed >= bus.config.sweep_batch:
+                    self.backlog = True  # a full batch: more may be due already
                 pairs_end = 2 + 2 * n_expired
                 for i in range(2, pairs_end, 2):
                     if reply[i + 1]:
@@ -108,8 +113,10 @@ class Sweeper:
                         self._pass_done.set()
                         self._pass_done = anyio.Event()
                 except (RedisError, OSError) as exc:
+                    self.backlog = False
                     log.warning("expiry sweep failed (%s); retrying", exc)
-                await anyio.sleep(self._bus.config.sweep_interval)
+                # a backlog (a burst of deadlines) is swept again at once, not a whole interval later
+                await anyio.sleep(0 if self.backlog else self._bus.config.sweep_interval)
         finally:
             # hand the job over now rather than when the lease times out
             with anyio.CancelScope(shield=True), contextlib.suppress(RedisError, OSError):

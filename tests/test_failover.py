@@ -126,3 +126,46 @@ async def test_readonly_after_demotion_then_resume(own_server: EmbeddedServer, w
         outcome = await handled(client, "after")
         assert outcome.status is HandoffStatus.COMPLETED and outcome.result["echo"] == "after"
     assert worker.handled == {HandoffStatus.COMPLETED: 2}
+
+
+class Numbered(Echo):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.agent_id = f"echo-{n}"  # type: ignore[misc]
+
+
+async def test_twenty_blocked_consumers_resume_after_a_demotion(
+    own_server: EmbeddedServer, watch_log: type[LogSeen]
+) -> None:
+    """REPLICAOF another node, then REPLICAOF NO ONE, while 20 workers block on their reads."""
+    seen = watch_log("UNBLOCKED", "read only replica")
+    admin = aioredis.Redis(unix_socket_path=str(own_server.socket_path))
+    try:
+        async with HandoffBus.connect(own_server.url, read_block=30.0) as bus, anyio.create_task_group() as tg:
+            workers = [Worker(bus, Numbered(n), block=30.0) for n in range(20)]
+            for worker in workers:
+                await tg.start(worker.run)
+            client = bus.client("req")
+            first = [await client.request_handoff(req("req", f"echo-{n}", reason="before")) for n in range(20)]
+            with anyio.fail_after(10):
+                assert all([(await h.outcome()).status is HandoffStatus.COMPLETED for h in first])
+            await blocked_clients(admin, 21)  # 20 workers on their doorbells, the requester's reader
+            await admin.execute_command("REPLICAOF", "127.0.0.1", unused_port())
+            try:
+                with anyio.fail_after(10):
+                    await seen.events["UNBLOCKED"].wait()  # the demotion woke the blocked readers
+                    await seen.events["read only replica"].wait()  # and their writes were refused
+            finally:
+                await admin.execute_command("REPLICAOF", "NO", "ONE")
+            promoted = anyio.current_time()
+            after = [await client.request_handoff(req("req", f"echo-{n}", reason="after")) for n in range(20)]
+            with anyio.fail_after(5):
+                outcomes = [await h.outcome() for h in after]
+            resumed_in = anyio.current_time() - promoted
+            for worker in workers:
+                worker.drain()
+    finally:
+        await admin.aclose()
+    print(f"\n20 blocked consumers resumed {resumed_in:.2f}s after REPLICAOF NO ONE")
+    assert [o.result["echo"] for o in outcomes] == ["after"] * 20
+    assert all(w.handled == {HandoffStatus.COMPLETED: 2} for w in workers)
