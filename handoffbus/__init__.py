@@ -28,6 +28,7 @@ from .errors import PayloadTooLarge as PayloadTooLarge
 from .errors import QueueFull as QueueFull
 from .errors import RequestConflict as RequestConflict
 from .errors import ServerUnsupported as ServerUnsupported
+from .errors import TooManyPending as TooManyPending
 from .handle import HandoffHandle as HandoffHandle
 from .models import AgentInfo as AgentInfo
 from .models import DeadLetter as DeadLetter
@@ -86,6 +87,7 @@ __all__ = [
     "RetryPolicy",
     "RouteStep",
     "ServerUnsupported",
+    "TooManyPending",
     "Worker",
     "WorkerInfo",
     "context_json_schema",

@@ -128,7 +128,7 @@ class HandoffClient:
         calls = [("request", keys.as_list(), [
             handoff_id, request.request_id, self.agent_id, request.to_agent, int(request.timeout * 1000),
             envelope, bus.config.retention_ms, bus.config.response_retention_ms, fingerprint,
-            caps, request.priority, int(bus.config.route_guard * 1000),
+            caps, request.priority, int(bus.config.route_guard * 1000), bus.config.max_pending,
         ])]
         if request.to_agent:
             # the enqueue runs right after the record exists; for a resubmission it finds the

@@ -41,6 +41,8 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: backpressure: a new request to an agent with this many handoffs queued or in flight
     #: raises QueueFull (0 = no cap)
     max_queued: int = 100_000
+    #: a requester with this many undecided handoffs gets TooManyPending (0 = no cap)
+    max_pending: int = 100_000
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.prefix):
@@ -54,8 +56,8 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidRequest("default_timeout exceeds max_timeout")
         if self.sweep_batch <= 0:
             raise InvalidRequest("sweep_batch must be positive")
-        if self.max_queued < 0:
-            raise InvalidRequest("max_queued must be 0 (no cap) or positive")
+        if self.max_queued < 0 or self.max_pending < 0:
+            raise InvalidRequest("max_queued and max_pending must be 0 (no cap) or positive")
         PayloadCodec(self.codec, compress_threshold=self.compress_threshold, limit=self.payload_limit)
 
     def make_codec(self) -> PayloadCodec:

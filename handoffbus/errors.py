@@ -19,6 +19,7 @@ __all__ = [
     "QueueFull",
     "RequestConflict",
     "ServerUnsupported",
+    "TooManyPending",
     "raise_for_code",
 ]
 
@@ -109,6 +110,14 @@ class QueueFull(HandoffbusError):
         self.target = target
 
 
+class TooManyPending(HandoffbusError):
+    """The requester already has ``max_pending`` undecided handoffs; nothing was created."""
+
+    def __init__(self, handoff_id: str) -> None:
+        super().__init__(f"too many undecided handoffs from this requester; {handoff_id!r} was not created")
+        self.handoff_id = handoff_id
+
+
 class ServerUnsupported(HandoffbusError):
     """The Redis server is older than the supported minimum."""
 
@@ -121,6 +130,7 @@ NOT_PERMITTED = -4
 CONFLICT = -5
 LEASE_LOST = -6
 QUEUE_FULL = -7
+TOO_MANY_PENDING = -8
 
 
 def raise_for_code(code: int, handoff_id: str, actor: str, attempted: str, detail: bytes | None) -> NoReturn:
@@ -139,4 +149,6 @@ def raise_for_code(code: int, handoff_id: str, actor: str, attempted: str, detai
         raise LeaseLost(handoff_id, (detail or b"").decode())
     if code == QUEUE_FULL:
         raise QueueFull(handoff_id, (detail or b"").decode())
+    if code == TOO_MANY_PENDING:
+        raise TooManyPending(handoff_id)
     raise HandoffbusError(f"unexpected script code {code} for {attempted} on {handoff_id!r}")

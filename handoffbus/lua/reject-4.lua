@@ -35,12 +35,12 @@ for i = 6, #ARGV, 2 do fields[ARGV[i]] = ARGV[i + 1] end
 local now = now_ms()
 local refused, deferred = rec[5], rec[6]
 local event = 'REFUSED'
--- drop this agent's earlier deferral, then defer again or mark it as refusing
-deferred = string.gsub(deferred, ',' .. string.gsub(actor, '%p', '%%%0') .. '=%d+,', ',')
+-- defer this agent again, or drop its deferral and mark it as refusing
 if fields.retry then
-  deferred = deferred .. actor .. '=' .. fmt(now + tonumber(fields.retry)) .. ','
+  deferred = defer(deferred, actor, now + tonumber(fields.retry))
   event = 'DEFERRED'
 else
+  deferred = defer(deferred, actor, nil)
   refused = refused .. actor .. ','
 end
 redis.call('HSET', KEYS[1], 'to', '', 'refused', refused, 'deferred', deferred, 'updated', fmt(now))

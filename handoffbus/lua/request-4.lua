@@ -11,12 +11,15 @@
   ARGV[10] capability set (sorted, comma-separated)   ARGV[11] priority
   ARGV[12] routing guard ms: a routed handoff not assigned to an agent by then is routed
            again by the expiry sweep (covers a requester that died before routing it)
+  ARGV[13] cap on the requester's undecided handoffs, counted as KEYS[3] entries (one per
+           undecided handoff, a routed one has a second while it waits on an offer); 0 = none
 
   Returns:
     {1, 'PENDING', now ms, deadline ms, last response id}  created; the marker expires at the deadline
     {0, current status, now ms, deadline ms, last response id}  the same request exists (nothing written,
        unless its deadline had passed: then it is made EXPIRED and EXPIRED is emitted)
     {-5} the request id exists with a different request (another fingerprint)
+    {-8} the requester is at its cap of undecided handoffs (nothing written)
   The last response id lets the caller read KEYS[4] from a point before any response to
   this handoff, so no response can be missed.
 ]]
@@ -35,6 +38,8 @@ if existing.status then
   return {0, existing.status, fmt(now), existing.deadline, last_response_id(KEYS[4])}
 end
 
+local cap = tonumber(ARGV[13] or 0)
+if cap > 0 and redis.call('ZCARD', KEYS[3]) >= cap then return {-8} end
 local now = now_ms()
 local deadline = now + timeout_ms
 local last = last_response_id(KEYS[4])

@@ -10,6 +10,7 @@
   ARGV[1] key prefix of R's slot, e.g. "hb:{agent-1}:" (records and markers are built from it;
           they share KEYS[1]'s hash tag, so the script stays in one slot)
   ARGV[2] batch size      ARGV[3] record retention ms      ARGV[4] response stream retention ms
+  ARGV[5] ms for which an agent whose offer lapsed is passed over (others are offered first)
 
   Returns {expired count, lapsed count, (handoff id, to agent) per expired handoff, then per
   lapsed offer: handoff id, capability set, priority, created, deadline, refused, deferred}.
@@ -27,7 +28,7 @@ for _, member in ipairs(due) do
   local offer = string.sub(member, 1, 2) == 'o:'
   local request_id = offer and string.sub(member, 3) or member
   local keys = {base .. 'h:' .. request_id, base .. 'p:' .. request_id, KEYS[1], base .. 'responses'}
-  local rec = read_record(keys[1], {'to', 'chain'})
+  local rec = read_record(keys[1], {'to', 'chain', 'deferred'})
   if rec.status ~= 'PENDING' then
     redis.call('ZREM', KEYS[1], member)  -- decided or gone: a stale index entry
   elseif expire_if_due(keys, rec, request_id, now, retention_ms, response_retention_ms) then
@@ -37,8 +38,9 @@ for _, member in ipairs(due) do
   elseif offer then
     redis.call('ZREM', KEYS[1], member)
     if rec.to ~= '' then
+      -- it did not refuse, but it did not decide either: offer others first for a while
       chain_add(keys[1], rec.chain, rec.to, 'LAPSED', now, nil)
-      redis.call('HSET', keys[1], 'to', '')
+      redis.call('HSET', keys[1], 'to', '', 'deferred', defer(rec.deferred, rec.to, now + tonumber(ARGV[5] or 0)))
     end
     local info = route_info(keys[1])
     for i = 1, #info do lapsed[#lapsed + 1] = info[i] end

@@ -179,6 +179,14 @@ local function chain_add(key, chain, agent, event, now, code)
   return chain
 end
 
+-- A routed record's deferrals (",a=<until ms>,") without `agent`'s, then with it until `untils`
+-- when given.
+local function defer(deferred, agent, untils)
+  deferred = string.gsub(deferred or ',', ',' .. string.gsub(agent, '%p', '%%%0') .. '=%d+,', ',')
+  if untils then deferred = deferred .. agent .. '=' .. fmt(untils) .. ',' end
+  return deferred
+end
+
 -- What a caller needs to route a handoff again (after a refusal or a lapsed offer):
 -- {handoff id, capability set, priority, created ms, deadline ms, refused, deferred}
 local function route_info(key)
