@@ -28,6 +28,7 @@ from .errors import PayloadTooLarge as PayloadTooLarge
 from .errors import QueueFull as QueueFull
 from .errors import RequestConflict as RequestConflict
 from .errors import ServerUnsupported as ServerUnsupported
+from .errors import SignatureInvalid as SignatureInvalid
 from .errors import TooManyPending as TooManyPending
 from .handle import HandoffHandle as HandoffHandle
 from .models import AgentInfo as AgentInfo
@@ -40,6 +41,8 @@ from .models import HistoryEntry as HistoryEntry
 from .models import PendingHandoff as PendingHandoff
 from .models import RouteStep as RouteStep
 from .models import WorkerInfo as WorkerInfo
+from .signing import Keyring as Keyring
+from .signing import SigningKey as SigningKey
 from .workers import Accept as Accept
 from .workers import Agent as Agent
 from .workers import AgentState as AgentState
@@ -75,6 +78,7 @@ __all__ = [
     "InvalidName",
     "InvalidRequest",
     "InvalidTransition",
+    "Keyring",
     "LeaseLost",
     "NotPermitted",
     "PayloadCodec",
@@ -87,6 +91,8 @@ __all__ = [
     "RetryPolicy",
     "RouteStep",
     "ServerUnsupported",
+    "SignatureInvalid",
+    "SigningKey",
     "TooManyPending",
     "Worker",
     "WorkerInfo",

@@ -23,6 +23,7 @@ from .names import split_handoff_id
 from .records import Loaded, loaded_from_row, record_from_hash
 from .routing import Router
 from .scripts import Scripts
+from .signing import Keyring
 from .sweeper import Sweeper
 from .waiters import ResponseReader, Waiter
 
@@ -55,6 +56,7 @@ class HandoffBus:
         config: BusConfig | None = None,
         server: EmbeddedServer | None = None,
         owns_client: bool = False,
+        keyring: Keyring | None = None,
         **settings: Any,
     ) -> None:
         if config is not None and settings:
@@ -62,6 +64,8 @@ class HandoffBus:
         self.config = config or BusConfig(**settings)
         self.keys = Keys(self.config.prefix)
         self.codec: PayloadCodec = self.config.make_codec()
+        #: with a keyring, requests are signed and checked, and workers refuse unsigned ones
+        self.keyring = keyring
         self._redis = redis
         self._server = server
         self._owns_client = owns_client or server is not None
@@ -229,7 +233,7 @@ class HandoffBus:
         for row in rows:
             if isinstance(row, BaseException):
                 raise row
-        return [loaded_from_row(row, self.codec) for row in rows]
+        return [loaded_from_row(row, self.codec, self.keyring) for row in rows]
 
     async def read_record(self, handoff_id: str) -> tuple[int, bytes, HandoffRecord] | None:
         """(server now ms, response stream position, record) or None; expires the record if due."""

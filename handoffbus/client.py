@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +68,7 @@ class HandoffClient:
     def __init__(self, bus: HandoffBus, agent_id: str) -> None:
         self._bus = bus
         self.agent_id = check_name(agent_id, "agent id")
+        self._clock: tuple[int, float] | None = None  # (server ms, monotonic s) at one TIME call
 
     def __repr__(self) -> str:
         return f"<HandoffClient {self.agent_id!r}>"
@@ -125,10 +127,15 @@ class HandoffClient:
         waiter = reader.watch(handoff_id)
         assert request.timeout is not None
         caps = "" if request.to_agent else capability_set(request.capabilities_required)
+        timeout_ms = int(request.timeout * 1000)
+        signature = ""
+        if bus.keyring is not None:
+            signature = bus.keyring.sign(self.agent_id, "request", [
+                handoff_id, self.agent_id, request.to_agent, caps, str(timeout_ms)], envelope, await self._now_ms())
         calls = [("request", keys.as_list(), [
-            handoff_id, request.request_id, self.agent_id, request.to_agent, int(request.timeout * 1000),
+            handoff_id, request.request_id, self.agent_id, request.to_agent, timeout_ms,
             envelope, bus.config.retention_ms, bus.config.response_retention_ms, fingerprint,
-            caps, request.priority, int(bus.config.route_guard * 1000), bus.config.max_pending,
+            caps, request.priority, int(bus.config.route_guard * 1000), bus.config.max_pending, signature,
         ])]
         if request.to_agent:
             # the enqueue runs right after the record exists; for a resubmission it finds the
@@ -188,6 +195,14 @@ class HandoffClient:
         waiter = self._bus.reader(self.agent_id, self._refresh).watch(handoff_id)
         waiter.deadline_at = waiter.deadline_at or 0.0  # unknown: ask the server on first wait
         return HandoffHandle(self, waiter)
+
+    async def _now_ms(self) -> int:
+        """The server's time, estimated from one TIME call and the monotonic clock since (a
+        signature's time must be the server's: client wall clocks may be far off)."""
+        if self._clock is None:
+            self._clock = (await self._bus.server_time_ms(), time.monotonic())
+        server_ms, at = self._clock
+        return server_ms + int((time.monotonic() - at) * 1000)
 
     async def _refresh(self, waiter: Waiter) -> None:
         """Read the record (expiring it if due), feed the waiter and make sure the reader runs."""

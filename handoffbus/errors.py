@@ -19,6 +19,7 @@ __all__ = [
     "QueueFull",
     "RequestConflict",
     "ServerUnsupported",
+    "SignatureInvalid",
     "TooManyPending",
     "raise_for_code",
 ]
@@ -116,6 +117,15 @@ class TooManyPending(HandoffbusError):
     def __init__(self, handoff_id: str) -> None:
         super().__init__(f"too many undecided handoffs from this requester; {handoff_id!r} was not created")
         self.handoff_id = handoff_id
+
+
+class SignatureInvalid(HandoffbusError):
+    """A handoff's signature is missing, malformed, from an unknown or another agent's key,
+    does not match its content, or is outside the replay window (see signing.py)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"signature check failed: {reason}")
+        self.reason = reason
 
 
 class ServerUnsupported(HandoffbusError):

@@ -10,6 +10,7 @@ import msgspec
 from .codecs import PayloadCodec
 from .errors import DecodeError, HandoffbusError
 from .models import HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatus, HistoryEntry, RouteStep
+from .signing import Keyring
 
 __all__ = ["RESPONSE_FIELDS", "Loaded", "loaded_from_row", "record_from_hash", "response_from_fields",
            "response_from_reply"]
@@ -97,9 +98,10 @@ class Loaded(NamedTuple):
     error: str | None = None
 
 
-def loaded_from_row(row: Sequence[bytes | None], codec: PayloadCodec) -> Loaded | None:
-    """Decode a ``load`` script reply; None when the record is gone. Never raises for bad data."""
-    status, env, agent, attempt, created, deadline = row
+def loaded_from_row(row: Sequence[Any], codec: PayloadCodec, keyring: Keyring | None = None) -> Loaded | None:
+    """Decode a ``load`` script reply; None when the record is gone. Never raises for bad data.
+    With a keyring, a PENDING request's signature is checked before its payload is decoded."""
+    status, env, agent, attempt, created, deadline = row[:6]
     if status is None:
         return None
     fields: dict[str, Any] = {
@@ -107,7 +109,19 @@ def loaded_from_row(row: Sequence[bytes | None], codec: PayloadCodec) -> Loaded 
         "created_ms": int(created or 0), "deadline_ms": int(deadline or 0),
     }
     try:
+        if keyring is not None and status == b"PENDING":
+            check_request(keyring, row, env or b"")
         return Loaded(status=HandoffStatus(status.decode()), request=codec.loads(env or b"", HandoffRequest),
                       **fields)
     except (HandoffbusError, ValueError) as exc:  # a poison record: reported, never raised
         return Loaded(status=HandoffStatus.PENDING, request=None, error=f"{type(exc).__name__}: {exc}", **fields)
+
+
+def check_request(keyring: Keyring, row: Sequence[Any], env: bytes) -> None:
+    """Check the signature of a ``load`` reply's request over the stored bytes (routed
+    requests were signed with no target: the record's target is set later, by routing)."""
+    created, deadline, hid, sender, to, routed, caps, sig, now = (
+        v.decode() if isinstance(v, bytes) else v for v in row[4:13])
+    parts = [hid or "", sender or "", "" if routed == "1" else (to or ""), caps or "",
+             str(int(deadline or 0) - int(created or 0))]
+    keyring.verify(sig, sender or "", "request", parts, env, int(now))

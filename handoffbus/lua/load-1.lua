@@ -5,7 +5,12 @@
 
   KEYS[1] record hash   <p>:{R}:h:<request_id>
 
-  Returns {status, encoded request, owning agent, attempt, created ms, deadline ms}; all false
-  (nil) when the record is gone.
+  Returns {status, encoded request, owning agent, attempt, created ms, deadline ms, handoff id,
+  from, to, routed, capability set, signature, server time ms}; the record's fields are false
+  (nil) when it is gone. The last seven let a worker check a signed request before decoding it.
 ]]
-return redis.call('HMGET', KEYS[1], 'status', 'env', 'agent', 'attempt', 'created', 'deadline')
+local row = redis.call('HMGET', KEYS[1], 'status', 'env', 'agent', 'attempt', 'created', 'deadline', 'id',
+  'from', 'to', 'routed', 'caps', 'sig')
+local t = redis.call('TIME')
+row[13] = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return row

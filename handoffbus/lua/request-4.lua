@@ -13,6 +13,7 @@
            again by the expiry sweep (covers a requester that died before routing it)
   ARGV[13] cap on the requester's undecided handoffs, counted as KEYS[3] entries (one per
            undecided handoff, a routed one has a second while it waits on an offer); 0 = none
+  ARGV[14] signature ('' = unsigned), stored as the record's `sig` (see signing.py)
 
   Returns:
     {1, 'PENDING', now ms, deadline ms, last response id}  created; the marker expires at the deadline
@@ -47,6 +48,7 @@ redis.call('HSET', KEYS[1],
   'id', hid, 'from', from, 'to', to, 'status', 'PENDING', 'actor', from,
   'created', fmt(now), 'updated', fmt(now), 'deadline', fmt(deadline), 'env', envelope, 'fp', fingerprint,
   'hist', '[["PENDING","' .. from .. '",' .. fmt(now) .. ']]')
+if ARGV[14] and ARGV[14] ~= '' then redis.call('HSET', KEYS[1], 'sig', ARGV[14]) end
 redis.call('SET', KEYS[2], '1', 'PXAT', fmt(deadline))
 redis.call('ZADD', KEYS[3], deadline, request_id)
 if to == '' then

@@ -1,0 +1,102 @@
+"""Signed handoffs: HMAC-SHA256 over a canonical envelope, with per-agent keys.
+
+A bus given a ``Keyring`` signs every request its clients make and every decision and
+outcome its workers write, and checks each request before its payload is decoded: a worker
+dead-letters an unsigned, tampered, spoofed, unknown-key or out-of-window request before any
+hook runs. A requester checks every response it reads; a response that fails raises
+``SignatureInvalid`` from the handle instead of being believed.
+
+What is signed (``canonical``): a version tag, the kind (``request`` or ``response``), the
+fields that say who asks whom for what, the signing time, a SHA-256 of the payload bytes
+exactly as stored, and the key id. Names never contain a newline (see names.py), so joining
+with newlines is unambiguous. The signature travels as ``v1.<key id>.<ms>.<hex>``.
+
+Keys: each agent has one or more keys; a key signs for its own agent only, which is how a
+spoofed sender is caught. Rotation: list the new and the old key of an agent; the newest
+key (last listed) signs, and both verify until the old one is removed. Replays: a request
+signed longer ago than ``replay_window`` is refused, and within the window its handoff id
+is its dedupe key (a resubmission returns the existing handoff, never a second one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from collections.abc import Iterable, Sequence
+
+import msgspec
+
+from .errors import InvalidRequest, SignatureInvalid
+
+__all__ = ["Keyring", "SigningKey", "canonical"]
+
+VERSION = "v1"
+_KEY_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class SigningKey(msgspec.Struct, frozen=True, kw_only=True):
+    """A secret shared by one agent and the processes that verify it."""
+
+    key_id: str
+    agent: str
+    secret: bytes
+
+    def __post_init__(self) -> None:
+        if not _KEY_ID.fullmatch(self.key_id):
+            raise InvalidRequest(f"invalid key id {self.key_id!r}: use letters, digits, '_-' (1-64)")
+        if len(self.secret) < 32:
+            raise InvalidRequest(f"key {self.key_id!r}: the secret must be at least 32 bytes")
+
+
+def canonical(kind: str, parts: Sequence[str], at_ms: int, body: bytes, key_id: str) -> bytes:
+    """The bytes an HMAC covers."""
+    return "\n".join(
+        ["handoffbus", VERSION, kind, *parts, str(at_ms), hashlib.sha256(body).hexdigest(), key_id]
+    ).encode()
+
+
+class Keyring:
+    def __init__(self, keys: Iterable[SigningKey], *, replay_window: float = 300.0, future_skew: float = 5.0) -> None:
+        self._by_id: dict[str, SigningKey] = {}
+        self._signing: dict[str, SigningKey] = {}
+        for key in keys:
+            if key.key_id in self._by_id:
+                raise InvalidRequest(f"key id {key.key_id!r} listed twice")
+            self._by_id[key.key_id] = key
+            self._signing[key.agent] = key  # the last listed key of an agent signs
+        self.replay_window_ms = int(replay_window * 1000)
+        self.future_skew_ms = int(future_skew * 1000)
+
+    def can_sign(self, agent: str) -> bool:
+        return agent in self._signing
+
+    def sign(self, agent: str, kind: str, parts: Sequence[str], body: bytes, at_ms: int) -> str:
+        key = self._signing.get(agent)
+        if key is None:
+            raise InvalidRequest(f"no signing key for agent {agent!r}")
+        mac = hmac.new(key.secret, canonical(kind, parts, at_ms, body, key.key_id), hashlib.sha256)
+        return f"{VERSION}.{key.key_id}.{at_ms}.{mac.hexdigest()}"
+
+    def verify(self, signature: bytes | str | None, signer: str, kind: str, parts: Sequence[str], body: bytes,
+               now_ms: int, *, window: bool = True) -> None:
+        """Raise SignatureInvalid unless ``signature`` is ``signer``'s over these values; with
+        ``window``, also unless it was made within the replay window before ``now_ms``."""
+        if not signature:
+            raise SignatureInvalid("unsigned")
+        text = signature.decode(errors="replace") if isinstance(signature, bytes) else signature
+        version, _, rest = text.partition(".")
+        key_id, _, rest = rest.partition(".")
+        at, _, digest = rest.partition(".")
+        if version != VERSION or not at.isdigit() or len(digest) != 64:
+            raise SignatureInvalid("malformed signature")
+        key = self._by_id.get(key_id)
+        if key is None:
+            raise SignatureInvalid(f"unknown key id {key_id!r}")
+        if key.agent != signer:
+            raise SignatureInvalid(f"spoofed sender: key {key_id!r} belongs to {key.agent!r}, not {signer!r}")
+        expected = hmac.new(key.secret, canonical(kind, parts, int(at), body, key_id), hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(expected, digest):
+            raise SignatureInvalid("bad signature")
+        if window and not now_ms - self.replay_window_ms <= int(at) <= now_ms + self.future_skew_ms:
+            raise SignatureInvalid(f"signed at {at}, outside the replay window around {now_ms}")
