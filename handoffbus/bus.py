@@ -247,7 +247,7 @@ class HandoffBus:
         fields = dict(zip(reply[3::2], reply[4::2], strict=True))
         if reply[2] == 1 and fields.get(b"to"):
             await self.settle(fields[b"to"].decode(), [handoff_id])  # this read expired it
-        return int(reply[0]), reply[1], record_from_hash(fields, self.codec)
+        return int(reply[0]), reply[1], record_from_hash(fields, self.codec, self.keyring)
 
     async def server_time_ms(self) -> int:
         seconds, micros = await self.redis.time()

@@ -27,6 +27,7 @@ from .models import (
 from .names import check_name, check_names, join_handoff_id, split_handoff_id
 from .records import response_from_reply
 from .routing import Directory, Reroute, capability_set, refusal_response
+from .signing import response_body
 from .waiters import Waiter
 
 if TYPE_CHECKING:
@@ -55,6 +56,10 @@ def request_fingerprint(request: HandoffRequest) -> bytes:
     return hashlib.blake2b(_canonical.encode(request), digest_size=16).digest()
 
 __all__ = ["HandoffClient"]
+
+#: the status each signed transition writes
+SIGNED_STATUS = {"accept": "ACCEPTED", "reject": "REJECTED", "complete": "COMPLETED", "fail": "FAILED",
+                 "cancel": "CANCELLED"}
 
 
 class HandoffClient:
@@ -231,6 +236,10 @@ class HandoffClient:
         for key, value in fields.items():
             if value is not None:
                 args += [key, value]
+        if bus.keyring is not None and bus.keyring.can_sign(self.agent_id):
+            status = SIGNED_STATUS[name]
+            args += ["sig", bus.keyring.sign(self.agent_id, "response", [handoff_id, status, self.agent_id],
+                                             response_body(fields), await self._now_ms())]
         if name == "reject":
             args += ["guard", int(bus.config.route_guard * 1000)]
         reply = await bus.script(name, bus.keys.record(requester, request_id).as_list(), args)

@@ -10,14 +10,14 @@ import msgspec
 from .codecs import PayloadCodec
 from .errors import DecodeError, HandoffbusError
 from .models import HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatus, HistoryEntry, RouteStep
-from .signing import Keyring
+from .signing import SIGNED_RESPONSE_FIELDS, Keyring, response_body, unsigned_response
 
 __all__ = ["RESPONSE_FIELDS", "Loaded", "loaded_from_row", "record_from_hash", "response_from_fields",
            "response_from_reply"]
 
 #: Order of the fields after the code in a transition script's reply (see lua/includes/record.lua).
 RESPONSE_FIELDS = (b"status", b"actor", b"ts", b"agent", b"reason", b"code", b"retry", b"redirect",
-                   b"result", b"error", b"rmeta")
+                   b"result", b"error", b"rmeta", b"sig")
 _ACCEPTED_LIKE = {HandoffStatus.ACCEPTED, HandoffStatus.COMPLETED, HandoffStatus.FAILED}
 _history_decoder = msgspec.json.Decoder(list[HistoryEntry])
 _route_decoder = msgspec.json.Decoder(tuple[RouteStep, ...])
@@ -27,8 +27,13 @@ def _text(value: bytes | None) -> str | None:
     return None if value is None else value.decode()
 
 
-def response_from_fields(handoff_id: str, f: Mapping[bytes, bytes], codec: PayloadCodec) -> HandoffResponse:
-    """Build a response from stream-entry style fields (``ts`` is the transition's Redis time)."""
+def response_from_fields(
+    handoff_id: str, f: Mapping[bytes, bytes], codec: PayloadCodec, keyring: Keyring | None = None
+) -> HandoffResponse:
+    """Build a response from stream-entry style fields (``ts`` is the transition's Redis time).
+    With a keyring, an agent's response must carry its actor's valid signature."""
+    if keyring is not None:
+        check_response(keyring, handoff_id, f)
     try:
         status = HandoffStatus(f[b"status"].decode())
         retry = f.get(b"retry")
@@ -60,7 +65,7 @@ def response_from_reply(handoff_id: str, reply: Sequence[Any], codec: PayloadCod
     return response_from_fields(handoff_id, dict(zip(RESPONSE_FIELDS, reply, strict=False)), codec)
 
 
-def record_from_hash(f: Mapping[bytes, bytes], codec: PayloadCodec) -> HandoffRecord:
+def record_from_hash(f: Mapping[bytes, bytes], codec: PayloadCodec, keyring: Keyring | None = None) -> HandoffRecord:
     handoff_id = f[b"id"].decode()
     try:
         history = tuple(_history_decoder.decode(f[b"hist"]))
@@ -77,7 +82,8 @@ def record_from_hash(f: Mapping[bytes, bytes], codec: PayloadCodec) -> HandoffRe
         deadline_ms=int(f[b"deadline"]),
         updated_ms=int(f[b"updated"]),
         history=history,
-        response=response_from_fields(handoff_id, response_fields, codec),
+        response=response_from_fields(handoff_id, response_fields, codec,
+                                      None if f[b"status"] == b"PENDING" else keyring),
         attempt=int(f.get(b"attempt", 1)),
         lease=f[b"lease"].decode() if b"lease" in f else None,
         route=route,
@@ -125,3 +131,12 @@ def check_request(keyring: Keyring, row: Sequence[Any], env: bytes) -> None:
     parts = [hid or "", sender or "", "" if routed == "1" else (to or ""), caps or "",
              str(int(deadline or 0) - int(created or 0))]
     keyring.verify(sig, sender or "", "request", parts, env, int(now))
+
+
+def check_response(keyring: Keyring, handoff_id: str, f: Mapping[bytes, bytes]) -> None:
+    """Check a stored response's signature (raises SignatureInvalid)."""
+    status, actor = f.get(b"status", b"").decode(), f.get(b"actor", b"").decode()
+    if unsigned_response(status, actor):
+        return
+    body = response_body({name: f.get(name.encode()) for name in SIGNED_RESPONSE_FIELDS})
+    keyring.verify(f.get(b"sig"), actor, "response", [handoff_id, status, actor], body, 0, window=False)

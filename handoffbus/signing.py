@@ -23,16 +23,39 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
 
 from .errors import InvalidRequest, SignatureInvalid
 
-__all__ = ["Keyring", "SigningKey", "canonical"]
+__all__ = ["SIGNED_RESPONSE_FIELDS", "Keyring", "SigningKey", "canonical", "response_body", "unsigned_response"]
 
 VERSION = "v1"
 _KEY_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+#: the response fields a signature covers, in this order (the owner, ``agent``, is the script's)
+SIGNED_RESPONSE_FIELDS = ("reason", "code", "retry", "redirect", "result", "error", "rmeta")
+
+
+def response_body(values: Mapping[str, object]) -> bytes:
+    """What a response signature's digest covers: its fields as stored, unit-separated."""
+    out = []
+    for name in SIGNED_RESPONSE_FIELDS:
+        value = values.get(name)
+        if isinstance(value, str):
+            value = value.encode()
+        elif isinstance(value, int):
+            value = str(value).encode()
+        out.append(value if isinstance(value, bytes) else b"")
+    return b"\x1f".join(out)
+
+
+def unsigned_response(status: str, actor: str) -> bool:
+    """Responses the bus itself writes (expiry, a routing verdict): no agent signs them; only
+    the server's access control vouches for them."""
+    return (status == "EXPIRED" and actor == "bus") or actor == "_router"
 
 
 class SigningKey(msgspec.Struct, frozen=True, kw_only=True):

@@ -120,7 +120,8 @@ class ResponseReader:
         waiter = self._waiters.get(handoff_id)
         if waiter is None:
             return
-        waiter.feed(response_from_fields(handoff_id, fields, self._bus.codec))
+        # with a keyring a response without its actor's signature raises here: it is logged and not believed
+        waiter.feed(response_from_fields(handoff_id, fields, self._bus.codec, self._bus.keyring))
         if waiter.outcome is not None:
             self.forget(waiter)
 

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from handoffbus import HandoffRequest, HandoffStatus, Keyring, SignatureInvalid, SigningKey, Worker
+from handoffbus.signing import response_body
 from handoffbus.workers import Accept, Agent, ReceivedHandoff
 
 from .conftest import make_bus, new_prefix
@@ -143,3 +144,37 @@ def test_keys_are_checked() -> None:
             ring.verify(bad, "req", "request", ["x"], b"body", 1000)
     with pytest.raises(SignatureInvalid, match="bad signature"):
         ring.verify(sig, "req", "request", ["y"], b"body", 1000)  # another field
+
+
+async def test_responses_are_signed_and_a_forged_one_is_not_believed(
+    real_backend: str, servers: dict, caplog: pytest.LogCaptureFixture
+) -> None:
+    ring = Keyring([REQ_NEW, WORKER, MALLORY])
+    mallory = Keyring([SigningKey(key_id="m-1", agent="watch-1", secret=SECRETS["mallory"])])
+    agent = Watchful()
+    async with make_bus(real_backend, servers, keyring=ring) as bus:
+        client = bus.client("req")
+        handle = await client.request_handoff(req("req", "watch-1", reason="real"))
+        # a forged outcome, written straight into the requester's response stream
+        forged = {"result": bus.codec.dumps_value("forged")}
+        sig = mallory.sign("watch-1", "response", [handle.handoff_id, "COMPLETED", "watch-1"],
+                           response_body(forged), 0)
+        await bus.redis.xadd(bus.keys.responses("req"), {
+            "id": handle.handoff_id, "status": "COMPLETED", "actor": "watch-1", "ts": "1", **forged, "sig": sig})
+        async with anyio.create_task_group() as tg:
+            worker = Worker(bus, agent)
+            await tg.start(worker.run)
+            with anyio.fail_after(10):
+                outcome = await handle.outcome()
+            worker.drain()
+        entries = [f for _, f in await bus.redis.xrange(bus.keys.responses("req"))
+                   if f[b"id"] == handle.handoff_id.encode()]
+        # the stored outcome altered afterwards: reading it back fails loudly
+        await bus.redis.hset(bus.keys.record("req", handle.request_id).record, "result",
+                             bus.codec.dumps_value("altered"))
+        with pytest.raises(SignatureInvalid, match="bad signature"):
+            await client.get_handoff_status(handle.handoff_id)
+    assert outcome.status is HandoffStatus.COMPLETED and outcome.result == "ok"  # the worker's, not the forgery
+    assert [f[b"status"] for f in entries] == [b"COMPLETED", b"ACCEPTED", b"COMPLETED"]
+    assert all(f[b"sig"].startswith(b"v1.w-1.") for f in entries[1:])  # the worker's key signed both
+    assert any("undecodable response" in r.getMessage() for r in caplog.records)

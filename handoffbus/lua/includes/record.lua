@@ -22,7 +22,7 @@ local function fmt(n)
 end
 
 -- Fields a response carries besides id/status/actor/ts; read back by the client.
-local RESPONSE_FIELDS = {'agent', 'reason', 'code', 'retry', 'redirect', 'result', 'error', 'rmeta'}
+local RESPONSE_FIELDS = {'agent', 'reason', 'code', 'retry', 'redirect', 'result', 'error', 'rmeta', 'sig'}
 local TERMINAL = {REJECTED = true, COMPLETED = true, EXPIRED = true, CANCELLED = true, FAILED = true}
 
 -- A response as the flat reply the client reads: status, actor, ts, then RESPONSE_FIELDS
@@ -48,7 +48,7 @@ end
 local function transition(keys, rec, request_id, status, actor, now, extra, retention_ms, response_retention_ms)
   local key, ts = keys[1], fmt(now)
   -- a response carries its own transition's fields only (the owner, 'agent', stays)
-  redis.call('HDEL', key, 'reason', 'code', 'retry', 'redirect', 'result', 'error', 'rmeta')
+  redis.call('HDEL', key, 'reason', 'code', 'retry', 'redirect', 'result', 'error', 'rmeta', 'sig')
   local fields = {'status', status, 'actor', actor, 'updated', ts,
     'hist', string.sub(rec.hist, 1, -2) .. ',["' .. status .. '","' .. actor .. '",' .. ts .. ']]'}
   local values = {agent = rec.agent}
