@@ -14,6 +14,7 @@ from .context import context_json_schema as context_json_schema
 from .context import deserialize_context as deserialize_context
 from .context import serialize_context as serialize_context
 from .embedded import EmbeddedServer as EmbeddedServer
+from .errors import AuthenticationFailed as AuthenticationFailed
 from .errors import DecodeError as DecodeError
 from .errors import EncodeError as EncodeError
 from .errors import HandoffbusError as HandoffbusError
@@ -57,6 +58,7 @@ __all__ = [
     "Agent",
     "AgentInfo",
     "AgentState",
+    "AuthenticationFailed",
     "BusConfig",
     "ConversationEntry",
     "DeadLetter",

@@ -10,13 +10,14 @@ from typing import Any
 import anyio
 import redis.asyncio as aioredis
 from anyio.abc import TaskGroup
+from redis.exceptions import AuthenticationError
 
 from .batching import ScriptBatcher
 from .client import HandoffClient
 from .codecs import PayloadCodec
 from .config import BusConfig
 from .embedded import EmbeddedServer
-from .errors import HandoffbusError, InvalidRequest, ServerUnsupported
+from .errors import AuthenticationFailed, HandoffbusError, InvalidRequest, ServerUnsupported
 from .keys import GROUP, Keys
 from .models import HandoffRecord
 from .names import split_handoff_id
@@ -149,6 +150,8 @@ class HandoffBus:
     async def _check_server(self) -> None:
         try:
             info = await self.redis.info("server")
+        except AuthenticationError as exc:
+            raise AuthenticationFailed(f"Redis refused the credentials: {exc}") from exc
         except Exception as exc:
             if type(self.redis).__module__.startswith("fakeredis"):
                 return  # fakeredis has no INFO; it is the in-memory mode

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NoReturn
 
 __all__ = [
+    "AuthenticationFailed",
     "DecodeError",
     "EncodeError",
     "HandoffExpired",
@@ -126,6 +127,10 @@ class SignatureInvalid(HandoffbusError):
     def __init__(self, reason: str) -> None:
         super().__init__(f"signature check failed: {reason}")
         self.reason = reason
+
+
+class AuthenticationFailed(HandoffbusError, PermissionError):
+    """The server refused the URL's credentials (wrong password, unknown or disabled user)."""
 
 
 class ServerUnsupported(HandoffbusError):

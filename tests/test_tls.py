@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 import trustme
 
-from handoffbus import EmbeddedServer, HandoffBus, HandoffbusError, HandoffStatus
+from handoffbus import AuthenticationFailed, EmbeddedServer, HandoffBus, HandoffbusError, HandoffStatus
 from handoffbus.embedded import _free_port
 
 from .agents import Echo
@@ -201,4 +201,4 @@ async def test_bad_credentials_fail_at_open(real_backend: str, credentials: str)
     async with acl_server(real_backend) as port:
         error = await connect_error(f"redis://{credentials}127.0.0.1:{port}/0", redis.exceptions.AuthenticationError)
     expected = "invalid username-password pair" if credentials else "authenticated"
-    assert expected in str(error)
+    assert isinstance(error, AuthenticationFailed) and expected in str(error)
