@@ -35,7 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--redis-url", default=None,
                         help="server (default: HANDOFFBUS_REDIS_URL, then REDIS_URL)")
     worker.add_argument("--prefix", default="hb", help="key prefix (default hb)")
+    acl = commands.add_parser("acl", help="print ACL SETUSER commands: a user per agent, the forwarder, a monitor")
+    acl.add_argument("agents", nargs="+", metavar="AGENT", help="agent ids to make users for")
+    acl.add_argument("--prefix", default="hb", help="key prefix (default hb)")
     args = parser.parse_args(argv)
+    if args.command == "acl":
+        return _acl(args, parser)
     if args.command == "worker":
         return _worker(args, parser)
     if args.command == "demo":
@@ -45,6 +50,24 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--agents must be at least 1 and --handoffs not negative")
         return 0 if anyio.run(run, args.redis_url, print, args.agents, args.handoffs) else 1
     return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+def _acl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .acl import agent_user, forwarder_user, monitor_user, setuser_commands
+    from .config import BusConfig
+    from .errors import InvalidRequest
+
+    try:
+        BusConfig(prefix=args.prefix)
+        users = [*(agent_user(args.prefix, agent) for agent in args.agents), forwarder_user(args.prefix),
+                 monitor_user(args.prefix)]
+    except InvalidRequest as exc:
+        parser.error(str(exc))
+    print("pipe stdout into redis-cli; keep the generated passwords: each user connects with "
+          "redis://<user>:<password>@host", file=sys.stderr)
+    for line in setuser_commands(users):
+        print(line)
+    return 0
 
 
 def _worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
