@@ -15,8 +15,10 @@ from .context import deserialize_context as deserialize_context
 from .context import serialize_context as serialize_context
 from .embedded import EmbeddedServer as EmbeddedServer
 from .errors import AuthenticationFailed as AuthenticationFailed
+from .errors import CallRefused as CallRefused
 from .errors import DecodeError as DecodeError
 from .errors import EncodeError as EncodeError
+from .errors import ForwarderUnavailable as ForwarderUnavailable
 from .errors import HandoffbusError as HandoffbusError
 from .errors import HandoffExpired as HandoffExpired
 from .errors import HandoffNotFound as HandoffNotFound
@@ -60,11 +62,13 @@ __all__ = [
     "AgentState",
     "AuthenticationFailed",
     "BusConfig",
+    "CallRefused",
     "ConversationEntry",
     "DeadLetter",
     "DecodeError",
     "EmbeddedServer",
     "EncodeError",
+    "ForwarderUnavailable",
     "HandoffBus",
     "HandoffClient",
     "HandoffContext",

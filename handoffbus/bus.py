@@ -18,6 +18,7 @@ from .codecs import PayloadCodec
 from .config import BusConfig
 from .embedded import EmbeddedServer
 from .errors import AuthenticationFailed, HandoffbusError, InvalidRequest, ServerUnsupported
+from .forwarding import Outbox
 from .keys import GROUP, Keys
 from .models import HandoffRecord
 from .names import split_handoff_id
@@ -58,6 +59,7 @@ class HandoffBus:
         server: EmbeddedServer | None = None,
         owns_client: bool = False,
         keyring: Keyring | None = None,
+        isolated: str | None = None,
         **settings: Any,
     ) -> None:
         if config is not None and settings:
@@ -67,6 +69,10 @@ class HandoffBus:
         self.codec: PayloadCodec = self.config.make_codec()
         #: with a keyring, requests are signed and checked, and workers refuse unsigned ones
         self.keyring = keyring
+        #: an isolated bus acts as this one agent, whose ACL user reaches only its own slot:
+        #: its other calls go through the forwarder (see forwarding.py)
+        self.isolated = isolated
+        self._outbox = Outbox(self, isolated) if isolated is not None else None
         self._redis = redis
         self._server = server
         self._owns_client = owns_client or server is not None
@@ -125,7 +131,10 @@ class HandoffBus:
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             self._batcher = ScriptBatcher(self.redis)
             await self._tg.start(self._batcher.run)
-            await self._tg.start(self.sweeper.run)
+            if self._outbox is not None:
+                await self._tg.start(self._outbox.start)  # the forwarder's bus sweeps, not this one
+            else:
+                await self._tg.start(self.sweeper.run)
         except BaseException:
             await stack.aclose()
             raise
@@ -175,16 +184,30 @@ class HandoffBus:
         """Run one script; calls made at the same time share a pipeline (see batching.py)."""
         if self._batcher is None:
             raise HandoffbusError("the bus is not open: use 'async with bus'")
+        if self._outbox is not None:
+            [reply] = await self.scripts_many([(name, keys, args)])
+            if isinstance(reply, BaseException):
+                raise reply
+            return reply
         return await self._batcher.call(self.scripts[name], keys, args)
 
     async def scripts_many(self, calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
         """Run several scripts in this order in one round trip; each reply or its exception."""
         if self._batcher is None:
             raise HandoffbusError("the bus is not open: use 'async with bus'")
-        return await self._batcher.call_many([(self.scripts[n], k, a) for n, k, a in calls])
+        batcher = self._batcher
+
+        async def run(batch: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+            return await batcher.call_many([(self.scripts[n], k, a) for n, k, a in batch])
+
+        if self._outbox is not None:
+            return await self._outbox.call_many(calls, run)
+        return await run(calls)
 
     def client(self, agent_id: str) -> HandoffClient:
         """A client acting as ``agent_id`` (the identity checked by every transition)."""
+        if self.isolated is not None and agent_id != self.isolated:
+            raise InvalidRequest(f"this bus is isolated as {self.isolated!r}; it cannot act as {agent_id!r}")
         return HandoffClient(self, agent_id)
 
     def reader(self, agent: str, refresh: Callable[[Waiter], Awaitable[None]]) -> ResponseReader:
@@ -194,7 +217,7 @@ class HandoffBus:
         return reader
 
     async def _register(self, known: set[str], key: str, agent: str) -> None:
-        if agent in known:
+        if agent in known or self._outbox is not None:  # the forwarder registers isolated agents
             return
         known.add(agent)  # before awaiting, so a burst of first requests sends one SADD
         try:

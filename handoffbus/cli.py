@@ -35,6 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--redis-url", default=None,
                         help="server (default: HANDOFFBUS_REDIS_URL, then REDIS_URL)")
     worker.add_argument("--prefix", default="hb", help="key prefix (default hb)")
+    worker.add_argument("--isolated", action="store_true",
+                        help="connect as the agent's own ACL user (see 'acl'); a forwarder carries its handoffs")
+    forwarder = commands.add_parser("forwarder", help="carry handoffs between isolated agents (as the forwarder user)")
+    forwarder.add_argument("agents", nargs="*", metavar="AGENT",
+                           help="agents to serve at once (others are found by their outboxes)")
+    forwarder.add_argument("--redis-url", default=None, help="server (default: HANDOFFBUS_REDIS_URL, then REDIS_URL)")
+    forwarder.add_argument("--prefix", default="hb", help="key prefix (default hb)")
     acl = commands.add_parser("acl", help="print ACL SETUSER commands: a user per agent, the forwarder, a monitor")
     acl.add_argument("agents", nargs="+", metavar="AGENT", help="agent ids to make users for")
     acl.add_argument("--prefix", default="hb", help="key prefix (default hb)")
@@ -43,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         return _acl(args, parser)
     if args.command == "worker":
         return _worker(args, parser)
+    if args.command == "forwarder":
+        return _forwarder(args, parser)
     if args.command == "demo":
         from .demo import run
 
@@ -50,6 +59,36 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--agents must be at least 1 and --handoffs not negative")
         return 0 if anyio.run(run, args.redis_url, print, args.agents, args.handoffs) else 1
     return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+def _url(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    url: str | None = args.redis_url or os.environ.get("HANDOFFBUS_REDIS_URL") or os.environ.get("REDIS_URL")
+    if not url:
+        parser.error(f"'{args.command}' needs a shared server: give --redis-url, HANDOFFBUS_REDIS_URL or REDIS_URL")
+    return url
+
+
+def _forwarder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import logging
+    import signal
+
+    from .bus import HandoffBus
+    from .forwarding import Forwarder
+
+    url = _url(args, parser)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def serve() -> None:
+        async with HandoffBus.connect(url, prefix=args.prefix) as bus, anyio.create_task_group() as tg:
+            await tg.start(Forwarder(bus, args.agents).run)
+            print(f"forwarder serving prefix {args.prefix}", flush=True)
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    break  # nothing is held: an unanswered outbox entry is answered by the next forwarder
+            tg.cancel_scope.cancel()
+
+    anyio.run(serve)
+    return 0
 
 
 def _acl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -78,9 +117,7 @@ def _worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .workers import Agent, Worker
     from .workers.runner import serve_until_signalled
 
-    url = args.redis_url or os.environ.get("HANDOFFBUS_REDIS_URL") or os.environ.get("REDIS_URL")
-    if not url:
-        parser.error("a worker needs a shared server: give --redis-url, HANDOFFBUS_REDIS_URL or REDIS_URL")
+    url = _url(args, parser)
     classes = []
     for spec in args.agents:
         module_name, _, class_name = spec.partition(":")
@@ -93,12 +130,16 @@ def _worker(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         classes.append(agent_class)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    if args.isolated and len(classes) != 1:
+        parser.error("--isolated serves one agent per process: its bus connects as that agent's user")
+    agents = [agent_class() for agent_class in classes]
+    isolated = agents[0].agent_id if args.isolated else None
+
     async def serve() -> None:
-        async with HandoffBus.connect(url, prefix=args.prefix, offer_time=args.offer_time) as bus:
+        async with HandoffBus.connect(url, prefix=args.prefix, offer_time=args.offer_time, isolated=isolated) as bus:
             workers = [
-                Worker(bus, agent_class(), concurrency=args.concurrency, grace=args.grace,
-                       reclaim_idle=args.reclaim_idle)
-                for agent_class in classes
+                Worker(bus, agent, concurrency=args.concurrency, grace=args.grace, reclaim_idle=args.reclaim_idle)
+                for agent in agents
             ]
             for worker in workers:
                 print(f"worker {worker.consumer} serving {worker.agent.agent_id}", flush=True)

@@ -122,6 +122,8 @@ class HandoffClient:
         with the same request_id re-queues, or that expires at its deadline; nothing is doubled.
         """
         request = self._normalize(request)
+        if not request.to_agent and self._bus.isolated is not None:
+            raise InvalidRequest("capability routing is not available on an isolated bus: name the target agent")
         envelope = self._bus.codec.dumps(request)
         fingerprint = request_fingerprint(request)
         bus = self._bus
@@ -162,7 +164,7 @@ class HandoffClient:
                 await bus.script("withdraw", keys.as_list(), [request.request_id])
             raise_for_code(QUEUE_FULL, handoff_id, self.agent_id, "request", request.to_agent.encode())
         status = HandoffStatus(reply[1].decode()) if code >= 0 else None
-        if request.to_agent and replies[1] == 1 and status is not HandoffStatus.PENDING:
+        if request.to_agent and replies[1] == 1 and status is not HandoffStatus.PENDING and bus.isolated is None:
             # a refused or resubmitted-after-decision request: take back the queue entry this
             # call added (the queue only: an in-flight entry belongs to the worker handling it)
             await bus.redis.zrem(bus.keys.target(request.to_agent).queue, handoff_id)

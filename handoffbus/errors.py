@@ -6,8 +6,10 @@ from typing import NoReturn
 
 __all__ = [
     "AuthenticationFailed",
+    "CallRefused",
     "DecodeError",
     "EncodeError",
+    "ForwarderUnavailable",
     "HandoffExpired",
     "HandoffNotFound",
     "HandoffbusError",
@@ -131,6 +133,15 @@ class SignatureInvalid(HandoffbusError):
 
 class AuthenticationFailed(HandoffbusError, PermissionError):
     """The server refused the URL's credentials (wrong password, unknown or disabled user)."""
+
+
+class CallRefused(HandoffbusError, PermissionError):
+    """The forwarder refused an isolated agent's call: it acted as another agent, or on keys
+    that are not its handoff's (see forwarding.py)."""
+
+
+class ForwarderUnavailable(HandoffbusError, ConnectionError):
+    """An isolated agent's call got no answer from the forwarder in time (it may still run)."""
 
 
 class ServerUnsupported(HandoffbusError):

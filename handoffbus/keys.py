@@ -109,6 +109,14 @@ class Keys:
         """Hash of every capability set requests were routed by: set id -> capabilities (comma-separated)."""
         return f"{self.prefix}:routes"
 
+    def outbox(self, agent: str) -> str:
+        """Stream of an isolated agent's calls outside its own slot, for the forwarder to run."""
+        return f"{self.slot(agent)}outbox"
+
+    def replies(self, agent: str) -> str:
+        """Stream of the forwarder's replies to an isolated agent's outbox entries."""
+        return f"{self.slot(agent)}replies"
+
     def dead_letters(self, agent: str) -> str:
         """Stream of handoffs the agent's workers could not handle (undecodable, or crashed too often)."""
         return f"{self.slot(agent)}dead"

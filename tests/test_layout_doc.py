@@ -18,11 +18,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import redis.asyncio as aioredis
 from anyio import run_process
 
 from handoffbus import HandoffBus, HandoffRequest, HandoffStatus
+from handoffbus.forwarding import Forwarder
 from handoffbus.keys import Keys, RecordKeys, RouteKeys, TargetKeys
 from handoffbus.routing import set_id
 from handoffbus.scripts import SCRIPT_NAMES
@@ -39,7 +41,7 @@ PREFIX = "hb"
 #: Every key suffix handoffbus/keys.py builds (the doc must explain each).
 SUFFIXES = ("h:", "p:", "deadlines", "responses", "queue", "inbox", "inflight", "seq", "bell", "dead",
             "workers", "w:", "agents", "requesters", "targets", "sweep-lease", "route", "rmeta", "rclaims", "rseq",
-            "routes")
+            "routes", "outbox", "replies")
 #: the capability set of the doc's routed example
 ROUTED_SET = "code_review,security"
 
@@ -93,6 +95,7 @@ def expected_keys() -> set[str]:
     found |= {getattr(route, f.name) for f in dataclasses.fields(RouteKeys)}
     found.add(keys.dead_letters(TARGET))
     found |= {keys.workers(TARGET), keys.worker_beat(TARGET, "worker-1")}
+    found |= {keys.outbox(TARGET), keys.replies(TARGET)}  # an isolated agent's (forwarding.py)
     for name, member in vars(Keys).items():
         if isinstance(member, property):
             found.add(getattr(keys, name))
@@ -109,7 +112,7 @@ def request(request_id: str, priority: int, reason: str, caps: list[str]) -> Han
     )
 
 
-async def build_state(bus: HandoffBus) -> None:
+async def build_state(bus: HandoffBus, url: str) -> None:
     """The state the doc's sample output was captured from (times and stream ids aside)."""
     requester = bus.client(REQUESTER)
     specialist = bus.client(TARGET)
@@ -158,6 +161,15 @@ async def build_state(bus: HandoffBus) -> None:
     route = bus.keys.route(set_id(ROUTED_SET))
     pulled = await bus.script("pull", route.as_list(), ["review-bot-1", 1, 600_000, 64])
     assert [h.decode() for h in pulled[2:]] == [f"{REQUESTER}/req-45"]
+
+    # the target also runs isolated (forwarding.py): one read of req-42 through the forwarder
+    # leaves its outbox (answered, so empty) and its replies stream (read, so empty)
+    async with anyio.create_task_group() as tg:
+        await tg.start(Forwarder(bus, [TARGET]).run)
+        async with HandoffBus.connect(url, isolated=TARGET) as isolated:
+            row = await isolated.script("load", [bus.keys.record(REQUESTER, "req-42").record], [])
+            assert row[0] == b"PENDING"
+        tg.cancel_scope.cancel()
 
     record = await requester.get_handoff_status(f"{REQUESTER}/req-42")
     assert record is not None and record.status is HandoffStatus.PENDING
@@ -208,7 +220,7 @@ async def live(real_backend: str) -> AsyncIterator[tuple[HandoffBus, aioredis.Re
     try:
         async with HandoffBus.connect(server.url) as bus:
             assert bus.config.prefix == PREFIX
-            await build_state(bus)
+            await build_state(bus, server.url)
             yield bus, raw, server.socket_path
     finally:
         await raw.aclose()

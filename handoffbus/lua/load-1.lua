@@ -6,11 +6,13 @@
   KEYS[1] record hash   <p>:{R}:h:<request_id>
 
   Returns {status, encoded request, owning agent, attempt, created ms, deadline ms, handoff id,
-  from, to, routed, capability set, signature, server time ms}; the record's fields are false
-  (nil) when it is gone. The last seven let a worker check a signed request before decoding it.
+  from, to, routed, capability set, signature, server time ms, lease}; the record's fields are
+  false (nil) when it is gone. Handoff id to server time let a worker check a signed request
+  before decoding it; the lease tells a running handler whether its hold still stands.
 ]]
 local row = redis.call('HMGET', KEYS[1], 'status', 'env', 'agent', 'attempt', 'created', 'deadline', 'id',
   'from', 'to', 'routed', 'caps', 'sig')
 local t = redis.call('TIME')
 row[13] = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+row[14] = redis.call('HGET', KEYS[1], 'lease')
 return row

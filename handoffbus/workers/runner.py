@@ -170,8 +170,9 @@ class Worker:
 
     async def _join(self) -> None:
         self._started_ms = await self.bus.server_time_ms()
-        await self._routes.refresh()
-        await self.bus.redis.sadd(self.bus.keys.agents, self.agent.agent_id)
+        if self.bus.isolated is None:  # an isolated agent is registered by the forwarder, and not routed to
+            await self._routes.refresh()
+            await self.bus.redis.sadd(self.bus.keys.agents, self.agent.agent_id)
         await self._register()
 
     async def _register(self, *, leave: bool = False) -> None:
@@ -199,7 +200,8 @@ class Worker:
             await anyio.sleep(self.beat)  # a timer
             try:
                 await self._register()
-                await self._routes.refresh()
+                if self.bus.isolated is None:
+                    await self._routes.refresh()
             except (RedisError, OSError) as exc:
                 log.warning("%s: registry heartbeat failed (%s)", self.consumer, exc)
 
@@ -451,7 +453,9 @@ class Worker:
         requester, request_id = split_handoff_id(hid)
         if entry is not None:
             await self._touch([hid])
-        holder = await self.bus.redis.hget(self.bus.keys.record(requester, request_id).record, "lease")
+        # the load script, not HGET: an isolated agent reads a peer's record through the forwarder
+        row = await self.bus.script("load", [self.bus.keys.record(requester, request_id).record], [])
+        holder = row[13] if len(row) > 13 else None
         if holder != self.consumer.encode():
             raise LeaseLost(hid, (holder or b"").decode())
 

@@ -1,0 +1,267 @@
+"""Isolated agents: each agent's ACL user reaches only its own slot (see acl.py), and a
+trusted forwarder carries what crosses between agents.
+
+An isolated bus (``HandoffBus.connect(url, isolated="agent-id")``) runs every script whose
+keys are all in its agent's slot itself. It writes every other script call to its outbox
+stream, ``<p>:{agent}:outbox``, and waits for the answer on ``<p>:{agent}:replies``. The
+forwarder (``handoffbus forwarder``, connected as the forwarder user) reads every outbox and
+checks each call. The sender is the outbox's owner: only that agent's user can write there,
+so the identity is verified by the server itself. Each call passes only if it acts as that
+sender, on the keys of the handoff it names: a transition's actor, an enqueue of the
+sender's own handoff to its record's target, a read of a record addressed to or sent by the
+sender. The forwarder then runs it with the same scripts and writes the replies back. The
+scripts still decide everything else, so the rules are those of a shared bus.
+
+Calls are retried by a restarted forwarder when it stopped between running them and
+acknowledging them. Every forwarded script is idempotent for the same caller, so a retry
+changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+from anyio.abc import TaskStatus
+from redis.exceptions import RedisError, ResponseError
+
+from .backoff import Backoff
+from .errors import CallRefused, ForwarderUnavailable, HandoffbusError
+from .names import check_name, split_handoff_id
+
+if TYPE_CHECKING:
+    from .bus import HandoffBus
+
+__all__ = ["Forwarder", "Outbox"]
+
+log = logging.getLogger("handoffbus")
+GROUP = "forwarder"
+Call = tuple[str, list[str], list[Any]]
+#: transitions: ARGV[3] is the acting agent, which must be the sender
+_ACTING = {"accept", "reject", "complete", "fail", "cancel", "reclaim"}
+_encode = msgspec.msgpack.Encoder()
+_calls = msgspec.msgpack.Decoder(list[tuple[str, list[str], list[Any]]])
+_replies = msgspec.msgpack.Decoder(list[tuple[bool, Any]])
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class Outbox:
+    """An isolated agent's side: runs own-slot calls itself and forwards the rest, in order."""
+
+    def __init__(self, bus: HandoffBus, agent: str, *, timeout: float = 30.0) -> None:
+        self._bus = bus
+        self.agent = check_name(agent, "agent id")
+        self.timeout = timeout
+        self._own = bus.keys.slot(agent)
+        self._stream, self._replies = bus.keys.outbox(agent), bus.keys.replies(agent)
+        self._waiting: dict[str, tuple[anyio.Event, list[bytes]]] = {}
+        self._cursor = "$"
+
+    def own(self, keys: Sequence[str]) -> bool:
+        return all(key.startswith(self._own) for key in keys)
+
+    async def start(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Read replies (from now on) until cancelled."""
+        last = await self._bus.redis.xrevrange(self._replies, count=1)
+        self._cursor = last[0][0] if last else "0-0"
+        task_status.started()
+        backoff = Backoff()
+        while True:
+            try:
+                found = await self._bus.redis.xread({self._replies: self._cursor}, block=1000, count=100)
+            except (RedisError, OSError) as exc:
+                log.warning("%s: reading forwarder replies failed (%s)", self.agent, exc)
+                await anyio.sleep(backoff.delay())
+                continue
+            backoff.reset()
+            done = []
+            for _, entries in found:
+                for entry_id, fields in entries:
+                    self._cursor = entry_id
+                    done.append(entry_id)
+                    waiting = self._waiting.pop(_text(fields[b"rid"]), None)
+                    if waiting is not None:
+                        waiting[1].append(fields[b"replies"])
+                        waiting[0].set()
+            if done:
+                await self._bus.redis.xdel(self._replies, *done)
+
+    async def call_many(self, calls: list[Call], run: Any) -> list[Any]:
+        """Each call's reply or exception, in order: runs of own-slot calls go to ``run`` (the
+        batcher), runs of the others to the forwarder as one outbox entry."""
+        out: list[Any] = []
+        i = 0
+        while i < len(calls):
+            own = self.own(calls[i][1])
+            j = i
+            while j < len(calls) and self.own(calls[j][1]) == own:
+                j += 1
+            out += await (run(calls[i:j]) if own else self._forward(calls[i:j]))
+            i = j
+        return out
+
+    async def _forward(self, calls: list[Call]) -> list[Any]:
+        rid = uuid.uuid4().hex
+        event, box = anyio.Event(), list[bytes]()
+        self._waiting[rid] = (event, box)
+        try:
+            await self._bus.redis.xadd(self._stream, {"rid": rid, "calls": _encode.encode(calls)})
+            with anyio.move_on_after(self.timeout):
+                await event.wait()
+            if not box:
+                raise ForwarderUnavailable(f"no answer from the forwarder within {self.timeout:.0f}s")
+        finally:
+            self._waiting.pop(rid, None)
+        return [value if ok else _error(value) for ok, value in _replies.decode(box[0])]
+
+
+def _error(value: Any) -> Exception:
+    kind, _, message = _text(value).partition(":")
+    return CallRefused(message) if kind == "forbidden" else ResponseError(message)
+
+
+class Forwarder:
+    """The trusted side: reads every isolated agent's outbox, checks each call, runs it."""
+
+    def __init__(self, bus: HandoffBus, agents: Iterable[str] = (), *, discover: float = 2.0) -> None:
+        self._bus = bus
+        self._agents = {check_name(a, "agent id") for a in agents}
+        self._discover = discover
+        self._serving: set[str] = set()
+        #: calls run and refused, for operators and tests
+        self.forwarded = 0
+        self.refused = 0
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        bus = self._bus
+        async with anyio.create_task_group() as tg:
+            started = False
+            while True:
+                found = set(self._agents)
+                pattern = f"{bus.keys.prefix}:{{*}}:outbox"
+                try:
+                    async for key in bus.redis.scan_iter(match=pattern, count=500):
+                        found.add(_text(key)[len(bus.keys.prefix) + 2:-len("}:outbox")])
+                except (RedisError, OSError) as exc:
+                    log.warning("forwarder: looking for outboxes failed (%s)", exc)
+                for agent in sorted(found - self._serving):
+                    self._serving.add(agent)
+                    await tg.start(self._serve, agent)
+                if not started:
+                    task_status.started()
+                    started = True
+                await anyio.sleep(self._discover)  # a timer: new agents are found this often
+
+    async def _serve(self, agent: str, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        bus = self._bus
+        stream = bus.keys.outbox(agent)
+        try:
+            await bus.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        await bus.redis.sadd(bus.keys.agents, agent)  # what a shared worker does for itself
+        task_status.started()
+        cursor = "0"  # first what a previous forwarder took and did not acknowledge, then new entries
+        backoff = Backoff()
+        while True:
+            try:
+                found = await bus.redis.xreadgroup(GROUP, "forwarder", {stream: cursor}, count=100,
+                                                   block=None if cursor == "0" else 1000)
+                entries = found[0][1] if found else []
+                if cursor == "0" and not entries:
+                    cursor = ">"
+                    continue
+                for entry_id, fields in entries:
+                    replies = await self._handle(agent, fields)
+                    await bus.redis.xadd(bus.keys.replies(agent), {"rid": fields.get(b"rid", b""), "replies": replies},
+                                         maxlen=10_000, approximate=True)
+                    await bus.redis.xack(stream, GROUP, entry_id)
+                    await bus.redis.xdel(stream, entry_id)
+            except (RedisError, OSError) as exc:
+                log.warning("forwarder: serving %s failed (%s)", agent, exc)
+                cursor = "0"  # read what was taken and not acknowledged again
+                await anyio.sleep(backoff.delay())
+                continue
+            backoff.reset()
+
+    async def _handle(self, sender: str, fields: dict[bytes, bytes]) -> bytes:
+        try:
+            calls = _calls.decode(fields[b"calls"])
+        except (KeyError, msgspec.DecodeError):
+            self.refused += 1
+            return _encode.encode([(False, "forbidden:an outbox entry that is not a list of calls")])
+        verdicts = [await self._check(sender, call) for call in calls]
+        allowed = [call for call, why in zip(calls, verdicts, strict=True) if why is None]
+        results = await self._bus.scripts_many(allowed) if allowed else []
+        out: list[tuple[bool, Any]] = []
+        for call, why in zip(calls, verdicts, strict=True):
+            if why is not None:
+                self.refused += 1
+                log.warning("forwarder: refused %s from %s: %s", call[0], sender, why)
+                out.append((False, f"forbidden:{why}"))
+                continue
+            self.forwarded += 1
+            result = results.pop(0)
+            out.append((False, f"error:{result}") if isinstance(result, BaseException) else (True, result))
+            if call[0] == "enqueue" and not isinstance(result, BaseException):
+                await self._bus.register_requester(sender)
+                await self._bus.register_target(self._target_of(call[1]))
+        return _encode.encode(out)
+
+    def _target_of(self, keys: Sequence[str]) -> str:
+        prefix = self._bus.keys.prefix
+        return keys[0][len(prefix) + 2:keys[0].index("}:")]
+
+    async def _check(self, sender: str, call: Call) -> str | None:
+        """None if ``sender`` may make this call, else why not."""
+        bus = self._bus
+        name, keys, args = call
+        try:
+            if name in _ACTING:
+                handoff_id, actor = _text(args[0]), _text(args[2])
+                requester, request_id = split_handoff_id(handoff_id)
+                if actor != sender:
+                    return f"{name} acting as {actor!r}"
+                if _text(args[1]) != request_id or keys != bus.keys.record(requester, request_id).as_list():
+                    return f"{name} on keys that are not {handoff_id!r}'s"
+                return None
+            if name == "load":
+                handoff_id = _handoff_of_record_key(bus, keys)
+                requester, _ = split_handoff_id(handoff_id)
+                to = await bus.redis.hget(keys[0], "to")
+                if sender in (requester, _text(to or b"")):
+                    return None
+                return f"load of {handoff_id!r}, which is not addressed to or sent by {sender!r}"
+            if name in ("enqueue", "settle"):
+                target = self._target_of(keys)
+                if keys != bus.keys.target(target).as_list():
+                    return f"{name} on keys that are not an agent's queue"
+                ids = [_text(a) for a in (args[:1] if name == "enqueue" else args[1:])]  # settle: group, ids
+                for handoff_id in ids:
+                    requester, request_id = split_handoff_id(handoff_id)
+                    to = await bus.redis.hget(bus.keys.record(requester, request_id).record, "to")
+                    if requester != sender or _text(to or b"") != target:
+                        return f"{name} of {handoff_id!r}, which {sender!r} did not send to {target!r}"
+                return None
+        except (IndexError, ValueError, HandoffbusError) as exc:
+            return f"malformed {name}: {exc}"
+        return f"{name} is not forwarded"
+
+
+def _handoff_of_record_key(bus: HandoffBus, keys: Sequence[str]) -> str:
+    if len(keys) != 1:
+        raise ValueError("one record key expected")
+    prefix = f"{bus.keys.prefix}:{{"
+    key = keys[0]
+    if not key.startswith(prefix) or "}:h:" not in key:
+        raise ValueError(f"{key!r} is not a record key")
+    requester, _, request_id = key[len(prefix):].partition("}:h:")
+    return f"{requester}/{request_id}"
