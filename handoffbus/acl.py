@@ -1,8 +1,9 @@
 """Redis ACL users for a bus: one per agent, one for the forwarder, one for monitoring.
 
-An agent's user may touch only its own slot's keys, ``<prefix>:{<agent>}:*``, with only the
-commands the bus runs. That rules out two holes a narrower grant would leave on Redis 7.0:
-XREADGROUP needs only read permission, so read access to a peer's stream lets an agent take
+An agent's user may touch only its own slot's keys, ``<prefix>:{<agent>}:*`` (and read the
+list of routed capability sets, ``<prefix>:routes``), with only the commands the bus runs.
+That rules out two holes a narrower grant would leave on Redis 7.0: XREADGROUP needs only
+read permission, so read access to a peer's stream lets an agent take
 the peer's handoffs into its own pending list; and XADD with ``MAXLEN 0`` empties a stream,
 so write access to a peer's stream lets an agent wipe it. An agent therefore never reads or
 writes a peer's keys; handoffs between agents cross over through a trusted forwarder, whose
@@ -62,8 +63,10 @@ def _commands(names: Iterable[str]) -> list[str]:
 def agent_user(prefix: str, agent: str, *, name: str | None = None, password: str | None = None) -> AclUser:
     """The user an agent's processes (its workers and its requesting clients) connect as."""
     check_name(agent, "agent id")
+    # and the names of the capability sets requests were routed by, to know what to pull
     return AclUser(name or f"{prefix}-agent-{agent}",
-                   ["resetkeys", f"~{prefix}:{{{agent}}}:*", "resetchannels", *_commands(AGENT_COMMANDS)], password)
+                   ["resetkeys", f"~{prefix}:{{{agent}}}:*", f"%R~{prefix}:routes", "resetchannels",
+                    *_commands(AGENT_COMMANDS)], password)
 
 
 def forwarder_user(prefix: str, *, name: str | None = None, password: str | None = None) -> AclUser:

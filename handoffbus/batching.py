@@ -107,6 +107,8 @@ class ScriptBatcher:
 
     async def call_many(self, calls: list[tuple[Script, list[str], list[Any]]]) -> list[Any]:
         """Queue several calls together (they run in this order); each reply or its exception."""
+        if not calls:
+            return []  # nothing to wait for (a group of none would never be done)
         if self._closed:
             raise HandoffbusError("the bus is closed")
         group = _Group(len(calls))

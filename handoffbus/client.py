@@ -122,8 +122,8 @@ class HandoffClient:
         with the same request_id re-queues, or that expires at its deadline; nothing is doubled.
         """
         request = self._normalize(request)
-        if not request.to_agent and self._bus.isolated is not None:
-            raise InvalidRequest("capability routing is not available on an isolated bus: name the target agent")
+        if not request.to_agent and fail_fast and self._bus.isolated is not None:
+            raise InvalidRequest("fail_fast needs the live agents, which an isolated agent cannot read")
         envelope = self._bus.codec.dumps(request)
         fingerprint = request_fingerprint(request)
         bus = self._bus
@@ -185,12 +185,14 @@ class HandoffClient:
         """What routes a new request, sent right after its record: into its capability set's
         queue, ringing the least loaded capable agents; or, failing fast, straight to REJECTED."""
         router = self._bus.router
+        assert request.timeout is not None
+        deadline = f"+{int(request.timeout * 1000)}"  # counted by the route script: a few ms after the record's
+        if self._bus.isolated is not None:  # the forwarder registers the set and rings capable agents
+            return [router.route_call(caps, handoff_id, request.priority, deadline)]
         candidates = Directory.capable(await router.directory.agents(max_age=0 if fail_fast else 1.0), caps)
         if fail_fast and not candidates:
             return [router.unroutable_call(handoff_id, [])]
         await router.register_set(caps)
-        assert request.timeout is not None
-        deadline = f"+{int(request.timeout * 1000)}"  # counted by the route script: a few ms after the record's
         return [router.route_call(caps, handoff_id, request.priority, deadline),
                 *router.ring_calls(candidates, handoff_id)]
 
@@ -249,6 +251,8 @@ class HandoffClient:
         if code == 2:  # a routed handoff refused: it goes on to another capable agent
             if settle:
                 await bus.settle(self.agent_id, [handoff_id])
+            if bus.isolated is not None:  # the forwarder sent it on already
+                return refusal_response(handoff_id, self.agent_id, fields)
             [final] = await bus.router.reroute([Reroute.of(reply[2:9], reply[9])])
             return final or refusal_response(handoff_id, self.agent_id, fields)
         if code == errors.EXPIRED and reply[1]:

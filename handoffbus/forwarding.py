@@ -7,9 +7,12 @@ stream, ``<p>:{agent}:outbox``, and waits for the answer on ``<p>:{agent}:replie
 forwarder (``handoffbus forwarder``, connected as the forwarder user) reads every outbox and
 checks each call. The sender is the outbox's owner: only that agent's user can write there,
 so the identity is verified by the server itself. Each call passes only if it acts as that
-sender, on the keys of the handoff it names: a transition's actor, an enqueue of the
-sender's own handoff to its record's target, a read of a record addressed to or sent by the
-sender. The forwarder then runs it with the same scripts and writes the replies back. The
+sender, on the keys of the handoff it names: a transition's or an offer's actor, an enqueue
+of the sender's own handoff to its record's target, a route of its own handoff into its own
+capability set, a pull from a set its registered workers serve, a read of a record addressed
+to or sent by the sender. What a shared bus's caller does around such calls (registering
+agents and capability sets, ringing capable agents, sending a refused handoff on) the
+forwarder does. The forwarder then runs it with the same scripts and writes the replies back. The
 scripts still decide everything else, so the rules are those of a shared bus.
 
 Calls are retried by a restarted forwarder when it stopped between running them and
@@ -31,7 +34,9 @@ from redis.exceptions import RedisError, ResponseError
 
 from .backoff import Backoff
 from .errors import CallRefused, ForwarderUnavailable, HandoffbusError
+from .models import WorkerInfo
 from .names import check_name, split_handoff_id
+from .routing import Directory, Reroute, serves, set_id
 
 if TYPE_CHECKING:
     from .bus import HandoffBus
@@ -46,6 +51,7 @@ _ACTING = {"accept", "reject", "complete", "fail", "cancel", "reclaim"}
 _encode = msgspec.msgpack.Encoder()
 _calls = msgspec.msgpack.Decoder(list[tuple[str, list[str], list[Any]]])
 _replies = msgspec.msgpack.Decoder(list[tuple[bool, Any]])
+_worker_info = msgspec.json.Decoder(WorkerInfo)
 
 
 def _text(value: Any) -> str:
@@ -211,10 +217,27 @@ class Forwarder:
             self.forwarded += 1
             result = results.pop(0)
             out.append((False, f"error:{result}") if isinstance(result, BaseException) else (True, result))
-            if call[0] == "enqueue" and not isinstance(result, BaseException):
-                await self._bus.register_requester(sender)
-                await self._bus.register_target(self._target_of(call[1]))
+            if not isinstance(result, BaseException):
+                await self._after(sender, call, result)
         return _encode.encode(out)
+
+    async def _after(self, sender: str, call: Call, result: Any) -> None:
+        """What a shared bus's caller does around the call, and an isolated one cannot."""
+        bus, (name, keys, args) = self._bus, call
+        if name == "enqueue":
+            await bus.register_requester(sender)
+            await bus.register_target(self._target_of(keys))
+        elif name == "route":
+            await bus.register_requester(sender)
+            handoff_id = _text(args[0])
+            caps = await bus.redis.hget(bus.keys.record(*split_handoff_id(handoff_id)).record, "caps")
+            await bus.router.register_set(_text(caps))
+            candidates = Directory.capable(await bus.router.directory.agents(), _text(caps))
+            rings = bus.router.ring_calls(candidates, handoff_id)
+            if rings:
+                await bus.scripts_many(rings)
+        elif name == "reject" and isinstance(result, list) and result and int(result[0]) == 2:
+            await bus.router.reroute([Reroute.of(result[2:9], result[9])])  # a refusal sends it on
 
     def _target_of(self, keys: Sequence[str]) -> str:
         prefix = self._bus.keys.prefix
@@ -225,7 +248,7 @@ class Forwarder:
         bus = self._bus
         name, keys, args = call
         try:
-            if name in _ACTING:
+            if name in _ACTING or name == "assign":
                 handoff_id, actor = _text(args[0]), _text(args[2])
                 requester, request_id = split_handoff_id(handoff_id)
                 if actor != sender:
@@ -251,9 +274,36 @@ class Forwarder:
                     if requester != sender or _text(to or b"") != target:
                         return f"{name} of {handoff_id!r}, which {sender!r} did not send to {target!r}"
                 return None
+            if name in ("route", "pull"):
+                sid = self._set_of(keys)
+                caps = _text(await bus.redis.hget(bus.keys.routes, sid) or b"")
+                if name == "route":
+                    handoff_id = _text(args[0])
+                    requester, request_id = split_handoff_id(handoff_id)
+                    record_caps = await bus.redis.hget(bus.keys.record(requester, request_id).record, "caps")
+                    if requester != sender or set_id(_text(record_caps or b"")) != sid:
+                        return f"route of {handoff_id!r}, which {sender!r} did not send to that capability set"
+                    return None
+                if _text(args[0]) != sender:
+                    return f"pull acting as {_text(args[0])!r}"
+                if not caps or not serves(await self._capabilities(sender), caps):
+                    return f"pull from a capability set {sender!r} does not serve"
+                return None
         except (IndexError, ValueError, HandoffbusError) as exc:
             return f"malformed {name}: {exc}"
         return f"{name} is not forwarded"
+
+    def _set_of(self, keys: Sequence[str]) -> str:
+        base = f"{self._bus.keys.prefix}:{{~r:"
+        sid = keys[0][len(base):keys[0].index("}:")] if keys and keys[0].startswith(base) else ""
+        if not sid or list(keys) != self._bus.keys.route(sid).as_list():
+            raise ValueError("not a capability set's routing keys")
+        return sid
+
+    async def _capabilities(self, agent: str) -> set[str]:
+        """What the agent's registered workers say it can do."""
+        table = await self._bus.redis.hgetall(self._bus.keys.workers(agent))
+        return {c for raw in table.values() for c in _worker_info.decode(raw).capabilities}
 
 
 def _handoff_of_record_key(bus: HandoffBus, keys: Sequence[str]) -> str:

@@ -3,11 +3,13 @@ carries handoffs between them and refuses calls that act as someone else."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import pytest
@@ -19,6 +21,8 @@ from redis.exceptions import NoPermissionError
 from handoffbus import CallRefused, HandoffBus, HandoffRequest, HandoffStatus, InvalidRequest, NotPermitted, Worker
 from handoffbus.acl import AclUser, agent_user, forwarder_user
 from handoffbus.forwarding import Forwarder
+from handoffbus.routing import set_id
+from handoffbus.workers import Accept, Agent, ReceivedHandoff, Reject
 
 from .agents import Echo
 from .conftest import new_prefix
@@ -37,11 +41,11 @@ class Setup:
 
 
 @asynccontextmanager
-async def isolated(real_backend: str, servers: dict) -> AsyncIterator[Setup]:
-    """ACL users for three agents and the forwarder; a bus per agent, as its own user."""
+async def isolated(real_backend: str, servers: dict, agents: tuple[str, ...] = AGENTS) -> AsyncIterator[Setup]:
+    """ACL users for the agents and the forwarder; a bus per agent, as its own user."""
     server = servers[real_backend]
     prefix = new_prefix()
-    users: dict[str, AclUser] = {a: agent_user(prefix, a) for a in AGENTS}
+    users: dict[str, AclUser] = {a: agent_user(prefix, a) for a in agents}
     users["forwarder"] = forwarder_user(prefix)
     admin = aioredis.Redis.from_url(server.url)
     for user in users.values():
@@ -53,12 +57,12 @@ async def isolated(real_backend: str, servers: dict) -> AsyncIterator[Setup]:
     try:
         async with HandoffBus.connect(url(users["forwarder"]), prefix=prefix, sweep_interval=0.05) as trusted, \
                 anyio.create_task_group() as tg:
-            forwarder = Forwarder(trusted, AGENTS)
+            forwarder = Forwarder(trusted, agents)
             await tg.start(forwarder.run)
-            async with HandoffBus.connect(url(users["req"]), prefix=prefix, isolated="req") as req_bus, \
-                    HandoffBus.connect(url(users["echo-1"]), prefix=prefix, isolated="echo-1") as echo_bus, \
-                    HandoffBus.connect(url(users["mallory"]), prefix=prefix, isolated="mallory") as mallory_bus:
-                yield Setup(prefix, forwarder, trusted, {"req": req_bus, "echo-1": echo_bus, "mallory": mallory_bus})
+            async with contextlib.AsyncExitStack() as stack:
+                buses = {a: await stack.enter_async_context(
+                    HandoffBus.connect(url(users[a]), prefix=prefix, isolated=a)) for a in agents}
+                yield Setup(prefix, forwarder, trusted, buses)
             tg.cancel_scope.cancel()
     finally:
         for user in users.values():
@@ -113,9 +117,16 @@ async def test_the_forwarder_refuses_calls_that_act_as_someone_else(real_backend
         # a bus isolated as one agent cannot even make a client for another, nor route
         with pytest.raises(InvalidRequest):
             mallory.client("echo-1")
-        with pytest.raises(InvalidRequest, match="routing"):
+        with pytest.raises(InvalidRequest, match="fail_fast"):
             await mallory.client("mallory").request_handoff(
-                HandoffRequest(from_agent="mallory", to_agent="", capabilities_required=["x"], reason="r"))
+                HandoffRequest(from_agent="mallory", to_agent="", capabilities_required=["x"], reason="r"),
+                fail_fast=True)
+        # pulling routed work from a set it does not serve (the set exists: req routed to it)
+        await setup.buses["req"].client("req").request_handoff(
+            HandoffRequest(from_agent="req", to_agent="", capabilities_required=["x"], reason="r"))
+        assert await setup.trusted.redis.hget(keys.routes, set_id("x")) == b"x"
+        with pytest.raises(CallRefused, match="does not serve"):
+            await mallory.script("pull", keys.route(set_id("x")).as_list(), ["mallory", 1, 10_000, 64])
         refused = setup.forwarder.refused
         async with anyio.create_task_group() as tg:
             worker = Worker(setup.buses["echo-1"], Echo())
@@ -124,7 +135,7 @@ async def test_the_forwarder_refuses_calls_that_act_as_someone_else(real_backend
                 outcome = await handle.outcome()
             worker.drain()
         statuses = await response_statuses(setup.trusted, "req", handle.handoff_id)
-    assert refused == 3
+    assert refused == 4
     assert outcome.status is HandoffStatus.COMPLETED and outcome.actor == "echo-1"
     assert statuses == ["ACCEPTED", "COMPLETED"]  # nothing of mallory's reached the requester
 
@@ -174,3 +185,47 @@ async def test_forwarder_and_isolated_worker_processes(real_backend: str, server
         await admin.aclose()
     assert [o.result["echo"] for o in outcomes] == [f"p{i}" for i in range(20)]
     assert codes == [0, 0]
+
+
+class Capable(Agent):
+    """An isolated agent with capability x: refuses when told to, else completes."""
+
+    capabilities = ["x"]
+
+    def __init__(self, agent_id: str, refuse: bool) -> None:
+        super().__init__()
+        self.agent_id = agent_id  # type: ignore[misc]
+        self.refuse = refuse
+
+    async def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+        return Reject(reason="not me", code="NOPE") if self.refuse else Accept()
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        return self.agent_id
+
+
+async def test_routed_handoffs_between_isolated_agents(real_backend: str, servers: dict) -> None:
+    async with isolated(real_backend, servers, ("req", "spec-a", "spec-b")) as setup:
+        client = setup.buses["req"].client("req")
+        routed_request = HandoffRequest(from_agent="req", to_agent="", capabilities_required=["x"], reason="r")
+        refusing, accepting = Capable("spec-a", refuse=True), Capable("spec-b", refuse=False)
+        async with anyio.create_task_group() as tg:
+            first = Worker(setup.buses["spec-a"], refusing)
+            await tg.start(first.run)
+            # spec-a alone: it refuses, and nobody else can take it
+            lonely = await client.request_handoff(routed_request)
+            with anyio.fail_after(10):
+                rejected = await lonely.outcome()
+            second = Worker(setup.buses["spec-b"], accepting)
+            await tg.start(second.run)
+            handles = [await client.request_handoff(routed_request) for _ in range(10)]
+            with anyio.fail_after(20):
+                outcomes = [await h.outcome() for h in handles]
+            first.drain()
+            second.drain()
+        chains = [[(s.agent, s.event) for s in (await h.status()).route] for h in handles]  # type: ignore[union-attr]
+    assert rejected.status is HandoffStatus.REJECTED and rejected.rejection_code == "NO_CAPABLE_AGENT"
+    assert [o.result for o in outcomes] == ["spec-b"] * 10
+    for chain in chains:  # offered to spec-a first or not, spec-b completes it; nobody is offered it twice
+        assert chain[-1] == ("spec-b", "OFFERED") and chain[:-1] in ([], [("spec-a", "OFFERED"), ("spec-a", "REFUSED")])
+    assert setup.forwarder.refused == 0

@@ -170,8 +170,8 @@ class Worker:
 
     async def _join(self) -> None:
         self._started_ms = await self.bus.server_time_ms()
-        if self.bus.isolated is None:  # an isolated agent is registered by the forwarder, and not routed to
-            await self._routes.refresh()
+        await self._routes.refresh()
+        if self.bus.isolated is None:  # an isolated agent is registered by the forwarder
             await self.bus.redis.sadd(self.bus.keys.agents, self.agent.agent_id)
         await self._register()
 
@@ -200,8 +200,7 @@ class Worker:
             await anyio.sleep(self.beat)  # a timer
             try:
                 await self._register()
-                if self.bus.isolated is None:
-                    await self._routes.refresh()
+                await self._routes.refresh()
             except (RedisError, OSError) as exc:
                 log.warning("%s: registry heartbeat failed (%s)", self.consumer, exc)
 
