@@ -12,7 +12,9 @@ handoffs (request -> the worker's acceptance hook -> work hook -> COMPLETED) fro
 ``--inflight`` requester tasks in this process, each awaiting decision and outcome. Then
 SIGTERM every worker and check it exits 0. Each count runs direct handoffs (``to_agent``
 named) and routed ones (``capabilities_required`` only, pulled from the capability set's
-queue), unless ``--modes`` says otherwise. Reports handoffs/s, decision and outcome
+queue), unless ``--modes`` says otherwise; ``isolated`` runs direct handoffs between isolated
+agents (workers started with ``--isolated``, a ``handoffbus forwarder`` process carrying
+every call between agents; its CPU is counted with the workers'). Reports handoffs/s, decision and outcome
 latency, CPU per handoff in this process, the workers and the server, and the ratio to the
 bare and batched streams loops of bench_core.py run in this same process.
 """
@@ -71,14 +73,18 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def start_workers(url: str, prefix: str, count: int, concurrency: int) -> list[Process]:
+async def start_workers(url: str, prefix: str, count: int, concurrency: int, isolated: bool = False) -> list[Process]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get(
         "PYTHONPATH", "")])}
     procs = []
+    if isolated:  # the forwarder first: isolated workers' first calls go through it
+        procs.append(await anyio.open_process(
+            [sys.executable, "-m", "handoffbus", "forwarder", REQUESTER, BenchEcho.agent_id, "--redis-url", url,
+             "--prefix", prefix], cwd=HERE, env=env, stderr=None))
     for _ in range(count):
         procs.append(await anyio.open_process(
             [sys.executable, "-m", "handoffbus", "worker", "bench_workers:BenchEcho", "--redis-url", url,
-             "--prefix", prefix, "--concurrency", str(concurrency)],
+             "--prefix", prefix, "--concurrency", str(concurrency), *(["--isolated"] if isolated else [])],
             cwd=HERE, env=env, stderr=None,
         ))
     for proc in procs:  # each prints one "worker ... serving" line once it has joined
@@ -138,11 +144,12 @@ async def handoff_round(bus: HandoffBus, n: int, inflight: int, context: bytes, 
 
 
 async def measure_processes(
-    url: str, stats: aioredis.Redis, count: int, args: argparse.Namespace, context: bytes, routed: bool
+    url: str, stats: aioredis.Redis, count: int, args: argparse.Namespace, context: bytes, mode: str
 ) -> dict[str, Any]:
-    prefix = f"benchw{os.getpid()}p{count}{'r' if routed else 'd'}"
-    async with HandoffBus.connect(url, prefix=prefix) as bus:
-        procs = await start_workers(url, prefix, count, args.concurrency)
+    prefix = f"benchw{os.getpid()}p{count}{mode[0]}"
+    routed, isolated = mode == "routed", mode == "isolated"
+    async with HandoffBus.connect(url, prefix=prefix, isolated=REQUESTER if isolated else None) as bus:
+        procs = await start_workers(url, prefix, count, args.concurrency, isolated)
         try:
             await handoff_round(bus, args.warmup, args.inflight, context, routed)
             runs = []
@@ -161,10 +168,10 @@ async def measure_processes(
         finally:
             with anyio.CancelScope(shield=True):
                 codes = await stop_workers(procs)
-                if args.url is not None:
+                if args.url is not None and not isolated:
                     await bus.clear(confirm=prefix)
     best = median_run(runs, "handoffs_per_s")
-    return {**best, "processes": count, "mode": "routed" if routed else "direct", "exit_codes": codes,
+    return {**best, "processes": count, "mode": mode, "exit_codes": codes,
             "rounds_handoffs_per_s": [r["handoffs_per_s"] for r in runs]}
 
 
@@ -182,7 +189,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                for _ in range(args.rounds)], "msgs_per_s")
             batched = median_run([await ceiling_round(raw, args.n, args.inflight, args.payload, base)
                                   for _ in range(args.rounds)], "msgs_per_s")
-            results = [await measure_processes(url, stats, count, args, context, mode == "routed")
+            results = [await measure_processes(url, stats, count, args, context, mode)
                        for count in args.processes for mode in args.modes]
         finally:
             await raw.aclose()
@@ -212,7 +219,7 @@ def render(result: dict[str, Any]) -> str:
     for r in result["workers"]:
         cpu = r["cpu_us_per_handoff"]
         lines.append(
-            f"{r['processes']} process{'es' if r['processes'] > 1 else '  '} {r['mode']:<6}"
+            f"{r['processes']} process{'es' if r['processes'] > 1 else '  '} {r['mode']:<8}"
             f" {r['handoffs_per_s']:>9,.0f} handoffs/s"
             f"  ({r['ratio_to_bare']:.1%} of bare, {r['ratio_to_batched']:.1%} of batched)"
             f"  decision p50/p99 {r['decision_ms']['p50']:.1f}/{r['decision_ms']['p99']:.1f} ms"
@@ -231,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", help="server to use (default: start an EmbeddedServer on a unix socket)")
     parser.add_argument("--processes", default="1,4", help="worker process counts to run (default 1,4)")
     parser.add_argument("--modes", default="direct,routed",
-                        help="direct (to_agent named) and/or routed (by capability) handoffs (default both)")
+                        help="direct (to_agent named), routed (by capability) and/or isolated (direct, between "
+                             "isolated agents through a forwarder) handoffs (default direct,routed)")
     parser.add_argument("--n", type=int, default=5000, help="measured handoffs per run (default 5000)")
     parser.add_argument("--inflight", type=int, default=100, help="outstanding handoffs (default 100)")
     parser.add_argument("--concurrency", type=int, default=64, help="--concurrency of each worker (default 64)")
@@ -245,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         parser.error("--processes takes a comma-separated list of counts, e.g. 1,4")
     args.modes = args.modes.split(",")
-    if not set(args.modes) <= {"direct", "routed"}:
-        parser.error("--modes takes direct, routed or both")
+    if not set(args.modes) <= {"direct", "routed", "isolated"}:
+        parser.error("--modes takes direct, routed and/or isolated")
     if min(args.processes) <= 0 or args.n <= 0 or args.inflight <= 0 or args.rounds <= 0 or args.concurrency <= 0:
         parser.error("--processes, --n, --inflight, --concurrency and --rounds must be positive")
     report(anyio.run(run, args, backend="asyncio"), render, args.json)

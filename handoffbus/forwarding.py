@@ -185,18 +185,26 @@ class Forwarder:
                 if cursor == "0" and not entries:
                     cursor = ">"
                     continue
-                for entry_id, fields in entries:
-                    replies = await self._handle(agent, fields)
-                    await bus.redis.xadd(bus.keys.replies(agent), {"rid": fields.get(b"rid", b""), "replies": replies},
-                                         maxlen=10_000, approximate=True)
-                    await bus.redis.xack(stream, GROUP, entry_id)
-                    await bus.redis.xdel(stream, entry_id)
+                async with anyio.create_task_group() as batch:  # an agent's calls are independent
+                    for entry_id, fields in entries:
+                        batch.start_soon(self._answer, agent, entry_id, fields)
             except (RedisError, OSError) as exc:
                 log.warning("forwarder: serving %s failed (%s)", agent, exc)
                 cursor = "0"  # read what was taken and not acknowledged again
                 await anyio.sleep(backoff.delay())
                 continue
             backoff.reset()
+
+    async def _answer(self, agent: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        """Run one outbox entry's calls, then reply and acknowledge in one round trip."""
+        bus = self._bus
+        replies = await self._handle(agent, fields)
+        async with bus.redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(bus.keys.replies(agent), {"rid": fields.get(b"rid", b""), "replies": replies},
+                      maxlen=10_000, approximate=True)
+            pipe.xack(bus.keys.outbox(agent), GROUP, entry_id)
+            pipe.xdel(bus.keys.outbox(agent), entry_id)
+            await pipe.execute()
 
     async def _handle(self, sender: str, fields: dict[bytes, bytes]) -> bytes:
         try:
