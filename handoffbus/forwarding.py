@@ -87,17 +87,15 @@ class Outbox:
                 await anyio.sleep(backoff.delay())
                 continue
             backoff.reset()
-            done = []
+            # every process of the agent reads the whole stream and takes its own replies (so
+            # none deletes what it read); the forwarder caps the stream's length
             for _, entries in found:
                 for entry_id, fields in entries:
                     self._cursor = entry_id
-                    done.append(entry_id)
-                    waiting = self._waiting.pop(_text(fields[b"rid"]), None)
+                    waiting = self._waiting.pop(_text(fields.get(b"rid", b"")), None)
                     if waiting is not None:
                         waiting[1].append(fields[b"replies"])
                         waiting[0].set()
-            if done:
-                await self._bus.redis.xdel(self._replies, *done)
 
     async def call_many(self, calls: list[Call], run: Any) -> list[Any]:
         """Each call's reply or exception, in order: runs of own-slot calls go to ``run`` (the

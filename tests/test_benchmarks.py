@@ -25,9 +25,11 @@ def test_core_benchmark_runs(tmp_path: Path) -> None:
 
 def test_worker_process_benchmark_runs(tmp_path: Path) -> None:
     result = run_script("bench_workers.py", tmp_path / "workers.json",
-                        "--n", "200", "--warmup", "50", "--processes", "1,2")
+                        "--n", "200", "--warmup", "50", "--processes", "1,2", "--modes", "direct,routed,isolated")
     runs = result["workers"]
-    assert [(r["processes"], r["mode"]) for r in runs] == [(1, "direct"), (1, "routed"), (2, "direct"), (2, "routed")]
+    assert [(r["processes"], r["mode"]) for r in runs] == [
+        (p, mode) for p in (1, 2) for mode in ("direct", "routed", "isolated")]
     for r in runs:
         assert r["problems"] == {} and r["n"] == 200 and r["handoffs_per_s"] > 0
-        assert r["exit_codes"] == [0] * r["processes"]  # every worker drained cleanly on SIGTERM
+        # every worker (and an isolated run's forwarder) stopped cleanly on SIGTERM
+        assert r["exit_codes"] == [0] * (r["processes"] + (r["mode"] == "isolated"))

@@ -163,7 +163,7 @@ async def build_state(bus: HandoffBus, url: str) -> None:
     assert [h.decode() for h in pulled[2:]] == [f"{REQUESTER}/req-45"]
 
     # the target also runs isolated (forwarding.py): one read of req-42 through the forwarder
-    # leaves its outbox (answered, so empty) and its replies stream (read, so empty)
+    # leaves its outbox (answered, so empty) and its replies stream (one reply)
     async with anyio.create_task_group() as tg:
         await tg.start(Forwarder(bus, [TARGET]).run)
         async with HandoffBus.connect(url, isolated=TARGET) as isolated:
