@@ -12,7 +12,7 @@ import msgspec
 
 from . import errors
 from .config import MAX_PRIORITY
-from .errors import QUEUE_FULL, DecodeError, InvalidRequest, NotPermitted, raise_for_code
+from .errors import QUEUE_FULL, DecodeError, EncodeError, InvalidRequest, NotPermitted, raise_for_code
 from .handle import HandoffHandle
 from .models import (
     TERMINAL,
@@ -53,7 +53,11 @@ def rejection_fields(
 
 def request_fingerprint(request: HandoffRequest) -> bytes:
     """A digest of the request's content, the same whatever codec, compression or key order."""
-    return hashlib.blake2b(_canonical.encode(request), digest_size=16).digest()
+    try:
+        body = _canonical.encode(request)
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:  # e.g. a dict key that is not text
+        raise EncodeError(f"cannot encode the request: {exc}") from None
+    return hashlib.blake2b(body, digest_size=16).digest()
 
 __all__ = ["HandoffClient"]
 
@@ -96,7 +100,7 @@ class HandoffClient:
         if (
             isinstance(timeout, bool)
             or not isinstance(timeout, int | float)
-            or not math.isfinite(timeout)
+            or not -math.inf < timeout < math.inf  # NaN fails; a huge int compares (isfinite would overflow)
             or not 0 < timeout <= self._bus.config.max_timeout
         ):
             raise InvalidRequest(f"timeout must be in (0, {self._bus.config.max_timeout}] seconds")

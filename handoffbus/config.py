@@ -45,13 +45,14 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_pending: int = 100_000
 
     def __post_init__(self) -> None:
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.prefix):
+        if not isinstance(self.prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.prefix):
             raise InvalidRequest(f"invalid key prefix {self.prefix!r}: use letters, digits, '_.-'")
         for name in ("default_timeout", "max_timeout", "record_retention", "response_retention",
                      "sweep_interval", "sweep_lease", "read_block", "route_age_step", "offer_time",
                      "route_claim", "route_guard"):
-            if not getattr(self, name) > 0:
-                raise InvalidRequest(f"{name} must be positive")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise InvalidRequest(f"{name} must be a positive number of seconds")
         if self.default_timeout > self.max_timeout:
             raise InvalidRequest("default_timeout exceeds max_timeout")
         if self.sweep_batch <= 0:

@@ -132,7 +132,7 @@ def deserialize_context(data: bytes | bytearray | memoryview, *, limit: int = DE
         raise PayloadTooLarge(f"context is {len(data)} bytes; the limit is {limit}")
     try:
         wire = _wire_decoder.decode(data)
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise DecodeError(f"invalid handoff context: {exc}") from None
     return HandoffContext(
         conversation_history=[ConversationEntry.from_dict(e) for e in wire.conversation_history],

@@ -45,7 +45,7 @@ class DecodeError(HandoffbusError, ValueError):
 
 
 class EncodeError(HandoffbusError, ValueError):
-    """A value could not be encoded (not JSON-able, NaN, wrong type)."""
+    """A value could not be encoded (an unsupported type, a dict key that is not text, nesting too deep)."""
 
 
 class PayloadTooLarge(HandoffbusError, ValueError):

@@ -31,7 +31,11 @@ def check_names(values: Iterable[object], what: str) -> tuple[str, ...]:
     """Validate a collection of names and return it as a sorted, de-duplicated tuple (a set)."""
     if isinstance(values, str | bytes):
         raise InvalidName(f"{what} must be a list of names, not a single string")
-    return tuple(sorted({check_name(v, what) for v in values}))
+    try:
+        items = list(values)
+    except TypeError:  # not iterable at all (an int, None)
+        raise InvalidName(f"{what} must be a list of names, not {type(values).__name__}") from None
+    return tuple(sorted({check_name(v, what) for v in items}))
 
 
 def join_handoff_id(from_agent: str, request_id: str) -> str:

@@ -35,7 +35,10 @@ def response_from_fields(
     if keyring is not None:
         check_response(keyring, handoff_id, f)
     try:
-        status = HandoffStatus(f[b"status"].decode())
+        raw_status = f.get(b"status")
+        if raw_status is None:  # absent, or a Lua false in a script reply
+            raise DecodeError(f"malformed response for {handoff_id!r}: no status")
+        status = HandoffStatus(raw_status.decode())
         retry = f.get(b"retry")
         result, meta = f.get(b"result"), f.get(b"rmeta")
         return HandoffResponse(
@@ -51,7 +54,7 @@ def response_from_fields(
             redirect_to_agent=_text(f.get(b"redirect")),
             result=None if result is None else codec.loads_value(result),
             error=_text(f.get(b"error")),
-            metadata={} if meta is None else codec.loads_value(meta),
+            metadata=_metadata(handoff_id, meta, codec),
             timestamp_ms=int(f.get(b"ts") or 0),
         )
     except (KeyError, ValueError) as exc:
@@ -60,12 +63,29 @@ def response_from_fields(
         raise DecodeError(f"malformed response for {handoff_id!r}: {exc!r}") from None
 
 
+def _metadata(handoff_id: str, meta: bytes | None, codec: PayloadCodec) -> dict[str, Any]:
+    metadata = {} if meta is None else codec.loads_value(meta)
+    if not isinstance(metadata, dict):  # any msgpack value decodes; the model promises a map
+        raise DecodeError(f"response metadata of {handoff_id!r} is a {type(metadata).__name__}, not a map")
+    return metadata
+
+
 def response_from_reply(handoff_id: str, reply: Sequence[Any], codec: PayloadCodec) -> HandoffResponse:
     """Build a response from a transition script's reply (after its leading code)."""
     return response_from_fields(handoff_id, dict(zip(RESPONSE_FIELDS, reply, strict=False)), codec)
 
 
 def record_from_hash(f: Mapping[bytes, bytes], codec: PayloadCodec, keyring: Keyring | None = None) -> HandoffRecord:
+    """Build a record from its hash. A field missing or unreadable raises DecodeError."""
+    try:
+        return _record_from_hash(f, codec, keyring)
+    except HandoffbusError:
+        raise
+    except (KeyError, ValueError) as exc:
+        raise DecodeError(f"malformed record {f.get(b'id')!r}: {exc!r}") from None
+
+
+def _record_from_hash(f: Mapping[bytes, bytes], codec: PayloadCodec, keyring: Keyring | None) -> HandoffRecord:
     handoff_id = f[b"id"].decode()
     try:
         history = tuple(_history_decoder.decode(f[b"hist"]))
@@ -110,10 +130,14 @@ def loaded_from_row(row: Sequence[Any], codec: PayloadCodec, keyring: Keyring | 
     status, env, agent, attempt, created, deadline = row[:6]
     if status is None:
         return None
-    fields: dict[str, Any] = {
-        "agent": agent.decode() if agent else None, "attempt": int(attempt or 0),
-        "created_ms": int(created or 0), "deadline_ms": int(deadline or 0),
-    }
+    try:
+        fields: dict[str, Any] = {
+            "agent": agent.decode() if agent else None, "attempt": int(attempt or 0),
+            "created_ms": int(created or 0), "deadline_ms": int(deadline or 0),
+        }
+    except ValueError as exc:  # an unreadable number or agent id poisons the record like a bad envelope
+        return Loaded(status=HandoffStatus.PENDING, request=None, agent=None, attempt=0,
+                      error=f"{type(exc).__name__}: {exc}")
     try:
         if keyring is not None and status == b"PENDING":
             check_request(keyring, row, env or b"")
@@ -135,7 +159,8 @@ def check_request(keyring: Keyring, row: Sequence[Any], env: bytes) -> None:
 
 def check_response(keyring: Keyring, handoff_id: str, f: Mapping[bytes, bytes]) -> None:
     """Check a stored response's signature (raises SignatureInvalid)."""
-    status, actor = f.get(b"status", b"").decode(), f.get(b"actor", b"").decode()
+    status = (f.get(b"status") or b"").decode(errors="replace")
+    actor = (f.get(b"actor") or b"").decode(errors="replace")
     if unsigned_response(status, actor):
         return
     body = response_body({name: f.get(name.encode()) for name in SIGNED_RESPONSE_FIELDS})

@@ -111,7 +111,7 @@ class Keyring:
         version, _, rest = text.partition(".")
         key_id, _, rest = rest.partition(".")
         at, _, digest = rest.partition(".")
-        if version != VERSION or not at.isdigit() or len(digest) != 64:
+        if version != VERSION or not (at.isascii() and at.isdigit()) or len(digest) != 64:
             raise SignatureInvalid("malformed signature")
         key = self._by_id.get(key_id)
         if key is None:

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.anyio
 FORBIDDEN = [
     ("FLUSHALL",), ("FLUSHDB",), ("CONFIG", "GET", "*"), ("CONFIG", "SET", "maxmemory", "1"), ("KEYS", "*"),
     ("SCRIPT", "FLUSH"), ("SCRIPT", "KILL"), ("FUNCTION", "FLUSH"), ("FUNCTION", "LIST"), ("ACL", "LIST"),
-    ("ACL", "SETUSER", "x"), ("SWAPDB", "0", "1"), ("SCAN", "0"),
+    ("ACL", "SETUSER", "x"), ("SWAPDB", "0", "1"), ("EVAL", "return 1", "0"), ("SCAN", "0"),
 ]
 #: checked with ACL DRYRUN only: run for real they would stop or block the server, or are
 #: refused by server settings before the ACL is consulted (DEBUG)
@@ -69,7 +69,8 @@ async def test_an_agent_reaches_only_its_own_keys(real_backend: str, servers: di
         assert len((await alpha.xreadgroup("workers", "c1", {f"{own}:inbox": ">"}))[0][1]) == 1
         await alpha.hset(f"{own}:h:r1", "status", "PENDING")
         await alpha.zadd(f"{own}:queue", {"x": 1})
-        assert await alpha.eval("return redis.call('HGET', KEYS[1], 'status')", 1, f"{own}:h:r1") == b"PENDING"
+        hget = await alpha.script_load("return redis.call('HGET', KEYS[1], 'status')")
+        assert await alpha.evalsha(hget, 1, f"{own}:h:r1") == b"PENDING"
         await beta.xgroup_create(f"{peer}:inbox", "workers", id="$", mkstream=True)
         await beta.xadd(f"{peer}:inbox", {"h": "y"})
         # a peer's keys: no read (XREADGROUP would steal its handoffs), no write (MAXLEN 0 would wipe them)
@@ -77,11 +78,12 @@ async def test_an_agent_reaches_only_its_own_keys(real_backend: str, servers: di
                         ("XRANGE", f"{peer}:inbox", "-", "+"), ("XADD", f"{peer}:inbox", "MAXLEN", "0", "*", "h", "z"),
                         ("XACK", f"{peer}:inbox", "workers", "0-1"), ("HGETALL", f"{peer}:h:r1"),
                         ("ZADD", f"{peer}:queue", "1", "x"), ("DEL", f"{peer}:inbox"),
-                        ("EVAL", "return redis.call('XLEN', KEYS[1])", "1", f"{peer}:inbox")]:
+                        ("EVALSHA", hget, "1", f"{peer}:h:r1")]:
             await assert_noperm(alpha, *command)
         # nor through a script that names the key only in its arguments
+        delete = await alpha.script_load("return redis.call('DEL', ARGV[1])")
         with pytest.raises(ResponseError, match=r"(?i)noperm|permission|acl|can.t access"):
-            await alpha.eval("return redis.call('DEL', ARGV[1])", 0, f"{peer}:inbox")
+            await alpha.evalsha(delete, 0, f"{peer}:inbox")
         for command in FORBIDDEN:
             await assert_noperm(alpha, *command)
         admin = aioredis.Redis.from_url(servers[real_backend].url)

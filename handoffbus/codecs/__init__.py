@@ -65,7 +65,7 @@ class PayloadCodec:
     def dumps(self, obj: Any) -> bytes:
         try:
             body = self._codec.encode(obj)
-        except (TypeError, ValueError, OverflowError) as exc:
+        except (TypeError, ValueError, OverflowError, RecursionError) as exc:  # RecursionError: nested too deep
             raise EncodeError(f"cannot encode {type(obj).__name__}: {exc}") from None
         return framing.pack(body, threshold=self.compress_threshold, limit=self.limit)
 
@@ -75,7 +75,8 @@ class PayloadCodec:
         try:
             result: T = codec.decode(body, tp)
             return result
-        except msgspec.DecodeError as exc:
+        # msgspec raises UnicodeDecodeError for invalid UTF-8 in JSON text, RecursionError past its depth limit
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise DecodeError(f"invalid {codec.NAME} payload: {exc}") from None
 
     def dumps_value(self, value: Any) -> bytes:
@@ -86,7 +87,7 @@ class PayloadCodec:
         """
         try:
             body = msgpack_codec.encode(value)
-        except (TypeError, ValueError, OverflowError) as exc:
+        except (TypeError, ValueError, OverflowError, RecursionError) as exc:
             raise EncodeError(f"cannot encode {type(value).__name__}: {exc}") from None
         packed = framing.pack(body, threshold=self.compress_threshold, limit=self.limit)
         return (b"m" if packed is body else b"z") + packed
@@ -98,5 +99,5 @@ class PayloadCodec:
         body = framing.unpack(body, limit=self.limit)
         try:
             return msgpack_codec.decode(body, object)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise DecodeError(f"invalid value payload: {exc}") from None

@@ -29,7 +29,7 @@ from ..client import rejection_fields
 from ..errors import InvalidRequest, InvalidTransition, LeaseLost, NotPermitted, raise_for_code
 from ..keys import GROUP
 from ..models import TERMINAL, HandoffRequest, HandoffStatus
-from ..names import split_handoff_id
+from ..names import check_names, split_handoff_id
 from ..records import Loaded
 from .agent import Accept, Agent, AgentState, ReceivedHandoff, Reject
 from .inbox import Delivery, Inbox
@@ -70,6 +70,7 @@ class Worker:
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        check_names(agent.capabilities, "capability")  # they go into the registry and routing as they are
         self.bus = bus
         self.agent = agent
         self.concurrency = concurrency
