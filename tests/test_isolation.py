@@ -18,7 +18,17 @@ from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 from redis.exceptions import NoPermissionError
 
-from handoffbus import CallRefused, HandoffBus, HandoffRequest, HandoffStatus, InvalidRequest, NotPermitted, Worker
+from handoffbus import (
+    CallRefused,
+    HandoffBus,
+    HandoffRequest,
+    HandoffStatus,
+    InvalidRequest,
+    Keyring,
+    NotPermitted,
+    SigningKey,
+    Worker,
+)
 from handoffbus.acl import AclUser, agent_user, forwarder_user
 from handoffbus.forwarding import Forwarder
 from handoffbus.routing import set_id
@@ -229,3 +239,22 @@ async def test_routed_handoffs_between_isolated_agents(real_backend: str, server
     for chain in chains:  # offered to spec-a first or not, spec-b completes it; nobody is offered it twice
         assert chain[-1] == ("spec-b", "OFFERED") and chain[:-1] in ([], [("spec-a", "OFFERED"), ("spec-a", "REFUSED")])
     assert setup.forwarder.refused == 0
+
+
+async def test_isolated_agents_with_signed_handoffs(real_backend: str, servers: dict) -> None:
+    """Signatures and isolation together: the worker checks the request it read through the
+    forwarder, the requester the responses the forwarder wrote for the worker."""
+    ring = Keyring([SigningKey(key_id=f"k-{a}", agent=a, secret=os.urandom(32)) for a in ("req", "echo-1")])
+    async with isolated(real_backend, servers, ("req", "echo-1")) as setup:
+        for bus in setup.buses.values():
+            bus.keyring = ring
+        handle = await setup.buses["req"].client("req").request_handoff(req("req", "echo-1", reason="signed"))
+        async with anyio.create_task_group() as tg:
+            worker = Worker(setup.buses["echo-1"], Echo())
+            await tg.start(worker.run)
+            with anyio.fail_after(10):
+                outcome = await handle.outcome()
+            worker.drain()
+        record = await setup.buses["req"].client("req").get_handoff_status(handle.handoff_id)
+    assert outcome.status is HandoffStatus.COMPLETED and outcome.result["echo"] == "signed"
+    assert record is not None and record.status is HandoffStatus.COMPLETED  # its signed outcome verified on read
