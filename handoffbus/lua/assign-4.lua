@@ -12,13 +12,17 @@
   Returns:
     {1} offered to the agent now (or again: the same agent renews its offer)
     {0, agent} it is offered to another agent, whose offer still stands
+    {2, agent, handoff id, capability set, priority, created, deadline, refused, deferred}
+       the agent refused it, or is deferred: the queue it was pulled from knew less than the
+       record (a route call raced the refusal). Nothing written; route it again with these.
     {-1} no such handoff   {-2, status} not PENDING   {-3} its deadline passed (made EXPIRED now)
     {-4} not a routed handoff
 ]]
 -- @include record
+-- @include offer
 
 local request_id, agent = ARGV[2], ARGV[3]
-local rec = read_record(KEYS[1], {'routed', 'to', 'chain'})
+local rec = read_record(KEYS[1], {'routed', 'to', 'chain', 'refused', 'deferred'})
 if not rec.status then return {-1} end
 local now = now_ms()
 if expire_if_due(KEYS, rec, request_id, now, tonumber(ARGV[5]), tonumber(ARGV[6])) then return {-3} end
@@ -28,8 +32,12 @@ local chain = rec.chain
 if rec.to ~= '' and rec.to ~= agent then
   local offer = redis.call('ZSCORE', KEYS[3], 'o:' .. request_id)
   if offer and tonumber(offer) > now then return {0, rec.to} end
-  chain = chain_add(KEYS[1], chain, rec.to, 'LAPSED', now, nil)
 end
+if rec.to ~= agent and not eligible(agent, rec.refused, rec.deferred, now) then
+  local info = route_info(KEYS[1])
+  return {2, agent, info[1], info[2], info[3], info[4], info[5], info[6], info[7]}
+end
+if rec.to ~= '' and rec.to ~= agent then chain = chain_add(KEYS[1], chain, rec.to, 'LAPSED', now, nil) end
 redis.call('HSET', KEYS[1], 'to', agent)
 local chosen = tonumber(ARGV[7])
 if not chosen or chosen == 0 or chosen > now then chosen = now end

@@ -14,6 +14,7 @@
   dropped on the way (their records expire by themselves).
 ]]
 -- @include route
+-- @include offer
 
 local agent, count = ARGV[1], tonumber(ARGV[2])
 for i = 5, #ARGV do

@@ -1,13 +1,15 @@
 --[[
   route: put a capability-routed handoff in its capability set's queue, to be pulled by a
   worker of any live agent that has every capability of the set. Idempotent: a handoff
-  already queued keeps its place (its refusals and deferrals are updated); one claimed by a
-  worker right now is left to that worker.
+  already queued keeps its place (its refusals and deferrals are merged in). A new request
+  already queued or claimed is left alone; a handoff routed again (after a refusal or a lapse)
+  while a worker holds a claim on it is queued again and the claim dropped.
 
   KEYS[1] route queue   KEYS[2] route meta   KEYS[3] claims   KEYS[4] sequence (see includes/route.lua)
   ARGV[1] handoff id   ARGV[2] priority (-1000..1000, lower first)
   ARGV[3] deadline ms, or "+<ms>" for a new request: its timeout, counted from now
-  ARGV[4] refused (",a,b," or ",")   ARGV[5] deferred (",a=<ms>," or ",")
+  ARGV[4] refused (",a,b," or ",")   ARGV[5] deferred (",a=<ms>," or ","): merged with the
+          ones the meta already holds (a refusal is never dropped, a deferral keeps its later time)
   ARGV[6] ageing step ms: what one priority level is worth in waiting time
   ARGV[7] time the handoff was requested (ms; 0 = now: a new request, which leaves an entry
           already queued untouched, refusals and all)
@@ -16,18 +18,29 @@
   numbers go first, but a request is overtaken only by requests of a better priority made
   less than (difference in priority * step) after it, so low priorities cannot starve.
 
-  Returns 1 queued, 0 already queued (meta updated) or claimed (untouched).
+  Returns 1 queued, 0 already queued (meta updated), or a new request already routed.
 ]]
 -- @include route
 
 local hid = ARGV[1]
-if redis.call('ZSCORE', KEYS[3], hid) then return 0 end
-local score = redis.call('ZSCORE', KEYS[1], hid)
 local since = tonumber(ARGV[7])
+if redis.call('ZSCORE', KEYS[3], hid) then
+  if since == 0 then return 0 end
+  -- routed again while a worker holds a claim on it: queue it, and drop the claim so that the
+  -- worker's acknowledgement leaves the queued entry alone (`assign` lets one agent win)
+  redis.call('ZREM', KEYS[3], hid)
+end
+local score = redis.call('ZSCORE', KEYS[1], hid)
 if score and since == 0 then return 0 end
 local now = route_now()
 local deadline = ARGV[3]
 if string.sub(deadline, 1, 1) == '+' then deadline = string.format('%.0f', now + tonumber(string.sub(deadline, 2))) end
+local refused, deferred = ARGV[4], ARGV[5]
+local meta = redis.call('HGET', KEYS[2], hid)
+if meta then
+  local _, _, old_refused, old_deferred = parse_meta(meta)
+  refused, deferred = merge_meta(refused, deferred, old_refused, old_deferred)
+end
 local queued = 0
 if not score then
   if since == 0 then since = now end
@@ -36,5 +49,5 @@ if not score then
   redis.call('ZADD', KEYS[1], score, hid)
   queued = 1
 end
-redis.call('HSET', KEYS[2], hid, score .. '|' .. deadline .. '|' .. ARGV[4] .. '|' .. ARGV[5])
+redis.call('HSET', KEYS[2], hid, score .. '|' .. deadline .. '|' .. refused .. '|' .. deferred)
 return queued

@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..keys import GROUP
-from ..routing import serves
+from ..routing import Reroute, serves
 from .inbox import Delivery
 
 if TYPE_CHECKING:
@@ -84,6 +84,9 @@ class RouteFeed:
         offers = await bus.scripts_many([bus.router.assign_call(hid, self.agent, at) for _, hid, at in pulled])
         mine = [hid for (_, hid, _), r in zip(pulled, offers, strict=True)
                 if not isinstance(r, BaseException) and int(r[0]) == 1]
+        # the record says this agent refused it or is deferred: the queue's copy was stale (a
+        # route call raced the refusal); route it again from the record once the claim is gone
+        stale = [Reroute.of(r[2:9]) for r in offers if not isinstance(r, BaseException) and int(r[0]) == 2]
         # admit what was offered to us, and release every claim, in one round trip: a claim is
         # done with once its handoff is in the inbox, or decided or offered elsewhere meanwhile
         # (if the admit fails, the offer lapses and the sweep routes the handoff again)
@@ -99,6 +102,8 @@ class RouteFeed:
         for reply in replies:
             if isinstance(reply, BaseException):
                 raise reply
+        if stale and bus.isolated is None:  # an isolated agent's forwarder does it
+            await bus.router.reroute(stale)
         if not mine:
             return []
         admitted = replies[-1]

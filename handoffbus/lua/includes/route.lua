@@ -21,13 +21,21 @@ local function parse_meta(value)
   return tonumber(score), tonumber(deadline), refused, deferred
 end
 
--- true if `agent` may be offered the handoff now
-local function eligible(agent, refused, deferred, now)
-  if string.find(refused, ',' .. agent .. ',', 1, true) then return false end
-  local at = string.find(deferred, ',' .. agent .. '=', 1, true)
-  if at then
-    local untils = string.match(deferred, '^(%d+)', at + #agent + 2)
-    if untils and tonumber(untils) > now then return false end
+-- refused and deferred lists as a route call brings them, merged with the ones already in the
+-- meta: a route call computed from an older record (the sweep's, racing a refusal) must not
+-- drop a refusal the queue already knows of. Refusals are kept; a deferral keeps its later time.
+local function merge_meta(refused, deferred, old_refused, old_deferred)
+  for agent in string.gmatch(old_refused, '[^,]+') do
+    if not string.find(refused, ',' .. agent .. ',', 1, true) then refused = refused .. agent .. ',' end
   end
-  return true
+  for agent, untils in string.gmatch(old_deferred, '([^,=]+)=(%d+)') do
+    local at = string.find(deferred, ',' .. agent .. '=', 1, true)
+    local now_until = at and tonumber(string.match(deferred, '^(%d+)', at + #agent + 2))
+    if not now_until then
+      deferred = deferred .. agent .. '=' .. untils .. ','
+    elseif tonumber(untils) > now_until then
+      deferred = string.gsub(deferred, ',' .. string.gsub(agent, '%p', '%%%0') .. '=%d+,', ',' .. agent .. '=' .. untils .. ',')
+    end
+  end
+  return refused, deferred
 end

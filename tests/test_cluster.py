@@ -1,0 +1,405 @@
+"""Redis Cluster: the bus on a real three-primary cluster on loopback, one per server binary.
+
+- A mixed run (direct, routed, rejected, failed, retried, cancelled and expired handoffs, a
+  script cache flush, listings, clearing) makes no CROSSSLOT error on any node, counted by
+  the servers themselves (``INFO errorstats``), after a control that shows they count one.
+- The keys of one handoff, one agent and one capability set each share a slot, and different
+  agents spread over the three nodes.
+- The slots of a busy agent and of a requester migrate to other nodes (SETSLOT IMPORTING and
+  MIGRATING, MIGRATE of the keys in small batches, SETSLOT NODE) while requests flow and a
+  worker serves them: every handoff ends in exactly one terminal state with exactly one
+  outcome response, and its work ran exactly once.
+
+The behavioural suites run on a cluster too: see the cluster backends in conftest.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+import redis.asyncio as aioredis
+from redis.crc import key_slot
+from redis.exceptions import ClusterCrossSlotError, RedisError
+
+from handoffbus import HandoffBus, HandoffHandle, HandoffRequest, HandoffResponse, HandoffStatus, batching
+from handoffbus.batching import ScriptBatcher, guard_key
+from handoffbus.embedded import EmbeddedCluster
+from handoffbus.models import TERMINAL
+from handoffbus.routing import set_id
+from handoffbus.workers import Accept, Agent, ReceivedHandoff, Reject, RetryPolicy, Worker
+
+from .agents import Echo, Faulty
+from .conftest import SERVER_BINARIES, new_prefix, start_cluster
+from .helpers import req, routed, serving
+
+pytestmark = pytest.mark.anyio
+S = HandoffStatus
+
+
+@pytest.fixture(scope="module", params=list(SERVER_BINARIES))
+def cluster(request: pytest.FixtureRequest) -> Iterator[EmbeddedCluster]:
+    """A cluster of this module's own: its slots are moved and its error counters reset."""
+    started = start_cluster(SERVER_BINARIES[request.param])
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@asynccontextmanager
+async def admin(cluster: EmbeddedCluster) -> AsyncIterator[list[aioredis.Redis]]:
+    """A plain client on each node (its unix socket), for what only a node can answer."""
+    clients = [aioredis.Redis(unix_socket_path=str(node.socket_path)) for node in cluster.nodes]
+    try:
+        yield clients
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
+async def error_counts(nodes: list[aioredis.Redis]) -> list[dict[str, int]]:
+    """Each node's error replies since its last CONFIG RESETSTAT, by error code."""
+    counts = []
+    for node in nodes:
+        info = await node.info("errorstats")
+        counts.append({name.removeprefix("errorstat_"): int(v["count"]) for name, v in info.items()})
+    return counts
+
+
+class Refuser(Agent):
+    agent_id = "refuser-1"
+
+    async def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+        return Reject(reason="not mine", code="NOT_MINE")
+
+
+class Retried(Agent):
+    """Fails the first run of every handoff: each completes on its second attempt."""
+
+    agent_id = "retried-1"
+    retry = RetryPolicy(attempts=2, delay=0.0)
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        if handoff.attempt == 1:
+            raise ConnectionError("first run fails")
+        return {"attempt": handoff.attempt}
+
+
+class Capable(Agent):
+    """An agent with capabilities x and y, for routed handoffs."""
+
+    capabilities = ["x", "y"]
+
+    def __init__(self, agent_id: str) -> None:
+        super().__init__()
+        self.agent_id = agent_id  # type: ignore[misc]
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        return {"by": self.agent_id}
+
+
+async def test_a_mixed_run_makes_no_crossslot_error(
+    cluster: EmbeddedCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[str, list[str]]] = []
+    call_many = ScriptBatcher.call_many
+
+    async def spy(self: ScriptBatcher, batch: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
+        calls.extend((script.name, keys) for script, keys, _ in batch)
+        return await call_many(self, batch)
+
+    monkeypatch.setattr(ScriptBatcher, "call_many", spy)
+    prefix = new_prefix()
+    async with admin(cluster) as nodes:
+        # the control: a node does count a cross-slot call
+        with pytest.raises(ClusterCrossSlotError):
+            await nodes[0].eval("return 1", 2, f"{prefix}:{{a}}:k", f"{prefix}:{{b}}:k")
+        assert (await error_counts(nodes))[0].get("CROSSSLOT") == 1
+        for node in nodes:
+            await node.config_resetstat()
+
+        async with HandoffBus.connect(cluster.url, prefix=prefix, sweep_interval=0.05) as bus:
+            assert bus.is_cluster
+            requesters = [bus.client(f"req-{i}") for i in range(6)]
+            agents = [Echo(), Refuser(), Faulty(), Retried(), Capable("cap-a"), Capable("cap-b")]
+            async with serving(bus, *agents, reclaim_idle=3.0):
+                handles: dict[str, list[HandoffHandle]] = defaultdict(list)
+                for i in range(120):
+                    client = requesters[i % len(requesters)]
+                    frm = client.agent_id
+                    kind, request = [
+                        ("echo", req(frm, "echo-1", reason=f"e{i}", priority=i % 5)),
+                        ("refused", req(frm, "refuser-1")),
+                        ("failed", req(frm, "faulty-1")),
+                        ("retried", req(frm, "retried-1")),
+                        ("routed", msgspec.structs.replace(routed(["y", "x"], reason=f"r{i}"), from_agent=frm)),
+                        ("echo", req(frm, "echo-1", reason=f"e{i}")),
+                    ][i % 6]
+                    handles[kind].append(await client.request_handoff(request))
+                    if i == 60:
+                        await bus.redis.script_flush()  # every primary's cache: calls reload, none fail
+                nobody = requesters[0]
+                cancelled = [await nobody.request_handoff(req("req-0", "nobody-1")) for _ in range(5)]
+                expiring = [await nobody.request_handoff(req("req-0", "nobody-1", timeout=0.3)) for _ in range(5)]
+                unroutable = await nobody.request_handoff(
+                    msgspec.structs.replace(routed(["z"]), from_agent="req-0"), fail_fast=True)
+                pending = await nobody.get_pending_handoffs("nobody-1")
+                assert {p.handoff_id for p in pending} >= {h.handoff_id for h in cancelled}
+                for handle in cancelled:
+                    await nobody.cancel_handoff(handle.handoff_id)
+                with anyio.fail_after(30):
+                    outcomes = {kind: [await h.outcome() for h in hs] for kind, hs in handles.items()}
+                    assert [(await h.outcome()).status for h in expiring] == [S.EXPIRED] * 5
+                live = {a.agent_id for a in await nobody.list_agents()}
+            cancelled_now = [(await h.status()).status for h in cancelled]
+            unroutable_code = (await unroutable.outcome()).rejection_code
+        assert {o.status for o in outcomes["echo"] + outcomes["routed"]} == {S.COMPLETED}
+        assert {o.status for o in outcomes["refused"]} == {S.REJECTED}
+        assert {o.status for o in outcomes["failed"]} == {S.FAILED}
+        assert {o.result["attempt"] for o in outcomes["retried"]} == {2}
+        assert {o.result["by"] for o in outcomes["routed"]} <= {"cap-a", "cap-b"}
+        assert cancelled_now == [S.CANCELLED] * 5
+        assert unroutable_code == "NO_CAPABLE_AGENT"
+        assert live >= {a.agent_id for a in agents}
+
+        async with HandoffBus.connect(cluster.url, prefix=prefix) as bus:
+            cleared = await bus.clear(confirm=prefix)
+            lease = bus.keys.sweep_lease.encode()  # held by this open bus
+            left = [k for node in nodes async for k in node.scan_iter(match=f"{prefix}:*") if k != lease]
+        assert left == []
+
+        errors = await error_counts(nodes)
+        used = {key_slot(keys[0].encode()) for _, keys in calls}
+        print(f"\nmixed run on {cluster.binary.rsplit('/', 1)[-1]}: {len(calls)} script calls "
+              f"({len(Counter(n for n, _ in calls))} scripts) over {len(used)} slots, {cleared} keys cleared; "
+              f"error replies per node: {errors}")
+        assert [node.get("CROSSSLOT", 0) for node in errors] == [0, 0, 0]
+        assert all(len({key_slot(k.encode()) for k in keys}) == 1 for _, keys in calls)
+        assert sum(node.get("NOSCRIPT", 0) for node in errors) > 0  # the flush was met, and survived
+
+
+async def test_keys_share_a_slot_and_agents_spread_over_the_nodes(cluster: EmbeddedCluster) -> None:
+    prefix = new_prefix()
+    async with admin(cluster) as nodes, HandoffBus.connect(cluster.url, prefix=prefix) as bus:
+        keys = bus.keys
+
+        async def slots(names: list[str]) -> set[int]:
+            return {int(await nodes[0].execute_command("CLUSTER", "KEYSLOT", name)) for name in names}
+
+        agent_keys = [*keys.record("general-agent-1", "req-42").as_list(), *keys.target("general-agent-1").as_list(),
+                      keys.dead_letters("general-agent-1"), keys.workers("general-agent-1"),
+                      keys.worker_beat("general-agent-1", "w-1"), keys.outbox("general-agent-1"),
+                      keys.replies("general-agent-1")]
+        route_keys = keys.route(set_id("code_review,security")).as_list()
+        for group in (agent_keys, route_keys, [keys.sweep_lease]):
+            guards = [guard for guard in map(guard_key, group) if guard is not None]
+            assert len(guards) == len(group) and len(await slots(group + guards)) == 1
+        assert len(await slots([keys.slot("a") + "x", keys.slot("b") + "x"])) == 2
+
+        # thirty agents' handoffs to each other: each agent's keys on one node, all nodes used
+        agents = [f"agent-{i}" for i in range(30)]
+        for i, agent in enumerate(agents):
+            await bus.client(agent).request_handoff(req(agent, agents[(i + 7) % len(agents)]))
+        where: dict[str, set[int]] = defaultdict(set)
+        for index, node in enumerate(nodes):
+            async for key in node.scan_iter(match=f"{prefix}:{{*"):
+                where[key.decode().split("{", 1)[1].split("}", 1)[0]].add(index)
+        await bus.clear(confirm=prefix)
+    assert set(where) == set(agents)
+    assert all(len(found) == 1 for found in where.values())
+    spread = Counter(next(iter(found)) for found in where.values())
+    print(f"\n30 agents over the nodes: {dict(sorted(spread.items()))}")
+    assert set(spread) == {0, 1, 2}
+
+
+class Busy(Agent):
+    """Works every handoff (a little while, so handlers are running while slots move), but
+    refuses every tenth; counts what it ran."""
+
+    agent_id = "busy-1"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.worked: Counter[str] = Counter()
+        self.attempts: Counter[int] = Counter()
+
+    async def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+        if request.priority == 9:
+            return Reject(reason="not now", code="BUSY")
+        return Accept()
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        self.worked[handoff.handoff_id] += 1
+        self.attempts[handoff.attempt] += 1
+        await anyio.sleep(0.002)  # simulated work
+        return {"n": handoff.request.reason}
+
+
+class SlotWatch:
+    """What the script calls the bus sends to one slot are answered, while it is watched."""
+
+    def __init__(self) -> None:
+        self.slot: int | None = None
+        self.answers: Counter[str] = Counter()
+        self.want = 0
+        self.enough = anyio.Event()
+
+    def watch(self, slot: int, want: int) -> None:
+        self.slot, self.want, self.answers, self.enough = slot, want, Counter(), anyio.Event()
+
+    def seen(self, calls: list[Any], replies: list[Any]) -> None:
+        if self.slot is None:
+            return
+        for call, reply in zip(calls, replies, strict=True):
+            if call.slot == self.slot:
+                self.answers[type(reply).__name__ if isinstance(reply, Exception) else "ran"] += 1
+        if self.answers.total() >= self.want:
+            self.enough.set()
+
+
+async def migrate(nodes: list[aioredis.Redis], ids: list[str], ports: list[int], slot: int, src: int,
+                  dst: int, watch: SlotWatch) -> tuple[int, float, Counter[str]]:
+    """Move ``slot`` from node ``src`` to node ``dst`` the way ``redis-cli --cluster reshard``
+    does, two keys per MIGRATE. Half way, with the slot's keys split between the two nodes,
+    the move waits until the bus has sent 20 script calls to the slot. Returns (keys moved,
+    seconds, how those 20 calls were answered)."""
+    started = time.monotonic()
+    await nodes[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
+    await nodes[src].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
+    half = int(await nodes[src].execute_command("CLUSTER", "COUNTKEYSINSLOT", slot)) // 2
+    moved, waited = 0, False
+    while batch := await nodes[src].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 2):
+        await nodes[src].execute_command("MIGRATE", "127.0.0.1", ports[dst], "", 0, 5000, "KEYS", *batch)
+        moved += len(batch)
+        if not waited and moved >= half:
+            waited = True
+            watch.watch(slot, 20)
+            with anyio.fail_after(10):
+                await watch.enough.wait()
+            watch.slot = None
+    for i in [dst, src, *(i for i in range(len(nodes)) if i not in (src, dst))]:
+        await nodes[i].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+    return moved, time.monotonic() - started, watch.answers
+
+
+def _owner(table: Any, slot: int) -> int:
+    """The port of the node serving ``slot`` in a CLUSTER SLOTS reply."""
+    return next(int(primary[1]) for first, last, primary, *_ in table if int(first) <= slot <= int(last))
+
+
+async def test_migrating_the_slot_of_a_busy_agent_under_load_loses_and_doubles_nothing(
+    cluster: EmbeddedCluster, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caplog.set_level(logging.WARNING, logger="handoffbus")
+    prefix = new_prefix()
+    ids, ports = cluster.node_ids(), [node.port for node in cluster.nodes]
+    agent = Busy()
+    requesters = [f"req-{i}" for i in range(4)]
+    handles: list[HandoffHandle] = []
+    outcomes: dict[str, HandoffResponse] = {}
+    resubmitted = 0
+    migrations: list[tuple[str, int, int, int, float]] = []
+    under_way, migrated = anyio.Event(), anyio.Event()
+    watch, split = SlotWatch(), Counter[str]()
+    exchange = batching._exchange
+
+    async def watched(conn: Any, calls: list[Any], asking: list[bool] | None = None) -> list[Any]:
+        replies = await exchange(conn, calls, asking)
+        watch.seen(calls, replies)
+        return replies
+
+    monkeypatch.setattr(batching, "_exchange", watched)
+
+    async with admin(cluster) as nodes, HandoffBus.connect(cluster.url, prefix=prefix) as bus:
+
+        async def produce(requester: str) -> None:
+            nonlocal resubmitted
+            client, n = bus.client(requester), 0
+            async with anyio.create_task_group() as waiting:
+                while not migrated.is_set() or n < 150:
+                    request = req(requester, "busy-1", request_id=f"r{n}", reason=f"{requester}/{n}",
+                                  priority=9 if n % 10 == 9 else 0)
+                    try:
+                        handle = await client.request_handoff(request)
+                    except RedisError:  # a slot moving longer than a call waits: the same id again
+                        resubmitted += 1
+                        continue
+                    handles.append(handle)
+                    waiting.start_soon(await_outcome, handle)
+                    n += 1
+
+        async def await_outcome(handle: HandoffHandle) -> None:
+            outcomes[handle.handoff_id] = await handle.outcome()
+            if len(outcomes) >= 100:
+                under_way.set()
+
+        async def move_slots() -> None:
+            await under_way.wait()
+            # the busy agent's slot (queue, inbox, in-flight index) and requesters' (records,
+            # response streams) in turn, each to the next node
+            for name in ("busy-1", "req-0", "busy-1", "req-1", "busy-1", "req-0"):
+                slot = key_slot(bus.keys.slot(name).encode())
+                src = ports.index(_owner(await nodes[0].execute_command("CLUSTER", "SLOTS"), slot))
+                moved, took, answers = await migrate(nodes, ids, ports, slot, src, (src + 1) % len(nodes), watch)
+                migrations.append((name, slot, src, moved, took))
+                split.update(answers)
+            migrated.set()
+
+        with anyio.fail_after(90):
+            async with anyio.create_task_group() as tg:
+                worker = Worker(bus, agent, concurrency=16)
+                await tg.start(worker.run)
+                async with anyio.create_task_group() as load:
+                    for requester in requesters:
+                        load.start_soon(produce, requester)
+                    load.start_soon(move_slots)
+                worker.drain()
+        redirects = bus.redirects
+        records = [await bus.client(h.handoff_id.split("/")[0]).get_handoff_status(h.handoff_id) for h in handles]
+        responses: dict[str, list[str]] = defaultdict(list)
+        for requester in requesters:
+            for _, fields in await bus.redis.xrange(bus.keys.responses(requester)):
+                responses[fields[b"id"].decode()].append(fields[b"status"].decode())
+        target = bus.keys.target("busy-1")
+        left = [await bus.redis.zcard(target.queue), await bus.redis.hlen(target.inflight),
+                (await bus.redis.xpending(target.inbox, "workers"))["pending"]]
+        busy_slot = key_slot(target.queue.encode())
+        holders = [int(await node.execute_command("CLUSTER", "COUNTKEYSINSLOT", busy_slot)) for node in nodes]
+        await bus.clear(confirm=prefix)
+
+    statuses = Counter(o.status.value for o in outcomes.values())
+    warnings = Counter(r.getMessage().split(":")[0] for r in caplog.records if r.levelno == logging.WARNING)
+    print(f"\n{len(handles)} handoffs while moving slots ({cluster.binary.rsplit('/', 1)[-1]}): {dict(statuses)}; "
+          + "; ".join(f"{name} (slot {slot}) from node {src}: {moved} keys in {took * 1000:.0f} ms"
+                      for name, slot, src, moved, took in migrations)
+          + f"; calls to a split slot: {dict(split)}; script calls sent again: {dict(redirects)}; "
+          f"requests resubmitted: {resubmitted}; "
+          f"warnings: {sum(warnings.values())} {dict(warnings)}")
+    assert len(migrations) == 6 and all(moved > 0 for *_, moved, _ in migrations)
+    # while a slot's keys were split between two nodes, no script ran on it
+    assert split.total() >= 6 * 20 and "ran" not in split, split
+    assert len({h.handoff_id for h in handles}) == len(handles) == len(outcomes)
+    # exactly one terminal state each, on the record and in the one outcome the requester heard
+    for handle, record in zip(handles, records, strict=True):
+        outcome = outcomes[handle.handoff_id]
+        expected = S.REJECTED if handle.handoff_id.endswith("9") else S.COMPLETED
+        assert outcome.status is expected and record is not None and record.status is expected
+        assert [h.status for h in record.history if h.status in TERMINAL] == [expected]
+        heard = responses[handle.handoff_id]
+        assert sum(status in {s.value for s in TERMINAL} for status in heard) == 1, heard
+        assert heard == (["REJECTED"] if expected is S.REJECTED else ["ACCEPTED", "COMPLETED"])
+    # the work ran once per completed handoff, on its first attempt: nothing doubled
+    completed = {hid for hid, o in outcomes.items() if o.status is S.COMPLETED}
+    assert set(agent.worked) == completed and set(agent.worked.values()) == {1}
+    assert agent.attempts == Counter({1: len(completed)})
+    assert left == [0, 0, 0]  # nothing queued, in flight or pending: all settled
+    assert sorted(holders, reverse=True)[1:] == [0, 0]  # the agent's keys live on one node
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
