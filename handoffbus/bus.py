@@ -13,8 +13,9 @@ import redis.asyncio as aioredis
 from anyio.abc import TaskGroup
 from redis.exceptions import AuthenticationError
 
-from .batching import ScriptBatcher, is_cluster
+from .batching import ScriptBatcher
 from .client import HandoffClient
+from .cluster import is_cluster
 from .codecs import PayloadCodec
 from .config import BusConfig
 from .embedded import EmbeddedCluster, EmbeddedServer

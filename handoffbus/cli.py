@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--agents", type=int, default=3, help="specialist agents in a load run (default 3)")
     demo.add_argument("--handoffs", type=int, default=0, help="make it a load run of this many handoffs")
+    demo.add_argument("--cluster", action="store_true",
+                      help="without a URL: start an embedded Redis Cluster of three primaries instead")
     worker = commands.add_parser("worker", help="serve an Agent class (module:Class) until SIGTERM/SIGINT")
     worker.add_argument("agents", nargs="+", metavar="AGENT",
                         help="Agent subclasses to serve in this process, as module.path:ClassName")
@@ -57,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.agents < 1 or args.handoffs < 0:
             parser.error("--agents must be at least 1 and --handoffs not negative")
-        return 0 if anyio.run(run, args.redis_url, print, args.agents, args.handoffs) else 1
+        if args.cluster and args.redis_url:
+            parser.error("--cluster starts an embedded cluster: give it no --redis-url")
+        return 0 if anyio.run(run, args.redis_url, print, args.agents, args.handoffs, args.cluster) else 1
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

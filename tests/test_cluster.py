@@ -29,11 +29,13 @@ import redis.asyncio as aioredis
 from redis.crc import key_slot
 from redis.exceptions import ClusterCrossSlotError, RedisError
 
-from handoffbus import HandoffBus, HandoffHandle, HandoffRequest, HandoffResponse, HandoffStatus, batching
-from handoffbus.batching import ScriptBatcher, guard_key
+from handoffbus import HandoffBus, HandoffHandle, HandoffRequest, HandoffResponse, HandoffStatus
+from handoffbus import cluster as clustering
+from handoffbus.batching import ScriptBatcher
 from handoffbus.embedded import EmbeddedCluster
 from handoffbus.models import TERMINAL
 from handoffbus.routing import set_id
+from handoffbus.wire import guard_key
 from handoffbus.workers import Accept, Agent, ReceivedHandoff, Reject, RetryPolicy, Worker
 
 from .agents import Echo, Faulty
@@ -309,14 +311,14 @@ async def test_migrating_the_slot_of_a_busy_agent_under_load_loses_and_doubles_n
     migrations: list[tuple[str, int, int, int, float]] = []
     under_way, migrated = anyio.Event(), anyio.Event()
     watch, split = SlotWatch(), Counter[str]()
-    exchange = batching._exchange
+    exchange = clustering.exchange
 
     async def watched(conn: Any, calls: list[Any], asking: list[bool] | None = None) -> list[Any]:
         replies = await exchange(conn, calls, asking)
         watch.seen(calls, replies)
         return replies
 
-    monkeypatch.setattr(batching, "_exchange", watched)
+    monkeypatch.setattr(clustering, "exchange", watched)
 
     async with admin(cluster) as nodes, HandoffBus.connect(cluster.url, prefix=prefix) as bus:
 

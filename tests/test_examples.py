@@ -56,6 +56,13 @@ def test_demo_against_a_given_url(servers: dict, server: str) -> None:
     assert f"demo on {servers[server].url}" in done.stdout
 
 
+def test_demo_on_an_embedded_cluster() -> None:
+    done = run("-m", "handoffbus", "demo", "--cluster")
+    assert done.returncode == 0, done.stderr
+    assert "demo on an embedded cluster of three primaries" in done.stdout
+    assert done.stdout.splitlines()[-1].endswith("6/6 handoffs ended as expected")
+
+
 def test_version_and_usage_errors() -> None:
     assert run("-m", "handoffbus", "-V").stdout.startswith("handoffbus ")
     assert run("-m", "handoffbus").returncode == 2

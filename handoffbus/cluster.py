@@ -1,0 +1,255 @@
+"""Script calls on a Redis Cluster.
+
+On a Redis Cluster a batch is split by node (the primary of each call's slot; every key of
+one call shares one hash tag, so one slot) and the nodes are written to at once. A call
+answered MOVED is sent again to the node named (and the client's slot table updated), one
+answered ASK is sent there with ASKING on the same connection, and one answered TRYAGAIN is
+sent again after a short pause: none of those replies means the script ran.
+
+While a slot migrates, a script must not run on either node. The source node runs a script
+whose declared keys are all still there, but aborts it with an error at the first command
+that touches a key missing there (one it deleted itself a moment before, or one built from
+an argument), keeping the writes made before: a half-done transition. So on a cluster every
+call also declares a guard key of its slot that never exists: a node answers TRYAGAIN to a
+call with a missing key while the slot is migrating or importing, and sees nothing special
+about it otherwise. A migration thus holds a slot's calls back until its keys have moved.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+import anyio
+from redis.exceptions import AskError, MaxConnectionsError, MovedError, RedisError, TryAgainError
+
+from .scripts import Script
+from .wire import ScriptCall, exchange, no_script
+
+__all__ = ["ClusterSender", "is_cluster"]
+
+log = logging.getLogger("handoffbus")
+#: rounds of MOVED/ASK/NOSCRIPT replies a cluster call follows before its error is returned
+REDIRECT_ROUNDS = 16
+#: seconds a cluster call answered TRYAGAIN (its slot is migrating) is sent again before its
+#: error is returned: a reshard moves a slot's keys in far less, an aborted one never ends
+MIGRATION_WAIT = 30.0
+
+
+def is_cluster(redis: Any) -> bool:
+    """Whether ``redis`` is redis-py's asyncio Redis Cluster client."""
+    from redis.asyncio.cluster import RedisCluster
+
+    return isinstance(redis, RedisCluster)
+
+
+class Run:
+    """The calls of one ``call_many`` in a batch sent to a cluster, in waves: each wave is sent
+    once the one before it is answered, so that the calls run in their order even when they
+    go to different nodes (a request's record is written before its handoff is queued on the
+    target's node, where a worker could otherwise take it and find no record). Consecutive
+    calls of one script share a wave: each acts on its own slot alone (one record, one
+    queue), and none of them waits for another. After a failed call, the calls of the later
+    waves are not sent: they get its error."""
+
+    __slots__ = ("at", "waves")
+
+    def __init__(self, calls: list[ScriptCall]) -> None:
+        self.waves: list[list[ScriptCall]] = []
+        for call in calls:
+            if self.waves and self.waves[-1][-1].script is call.script:
+                self.waves[-1].append(call)
+            else:
+                self.waves.append([call])
+        self.at = 0
+
+    def current(self) -> list[ScriptCall]:
+        return self.waves[self.at] if self.at < len(self.waves) else []
+
+    def advance(self) -> list[ScriptCall]:
+        """The next wave's calls once every call of the current one is answered, else none."""
+        wave = self.current()
+        if not wave or not all(call.finished for call in wave):
+            return []
+        self.at += 1
+        error = next((call.error for call in wave if call.error is not None), None)
+        if error is not None:
+            for later in self.waves[self.at:]:
+                for call in later:
+                    call.finish(error=error)
+            self.at = len(self.waves)
+        return self.current()
+
+    def calls(self) -> list[ScriptCall]:
+        return [call for wave in self.waves for call in wave]
+
+
+def runs_of(batch: list[ScriptCall]) -> list[Run]:
+    groups: dict[int, list[ScriptCall]] = {}
+    for call in batch:
+        groups.setdefault(id(call.group), []).append(call)
+    return [Run(calls) for calls in groups.values()]
+
+
+class ClusterSender:
+    """Sends batches of script calls to the nodes of a cluster (see above) for a
+    ``ScriptBatcher``. Calls still waiting out a migration stay in the batcher's ``in_flight``
+    until answered, so that closing the bus fails them too."""
+
+    def __init__(self, redis: Any, in_flight: set[ScriptCall]) -> None:
+        self._redis = redis
+        self._in_flight = in_flight
+        #: calls answered TRYAGAIN and the runs they hold up, sent again by one task
+        self._parked: list[ScriptCall] = []
+        self._parked_runs: list[Run] = []
+        self._unpark = anyio.Event()
+        self._refreshed = float("-inf")
+        #: replies that sent a call again, by kind (MOVED, ASK, TRYAGAIN): a slot moved
+        self.redirects: Counter[str] = Counter()
+
+    async def send(self, batch: list[ScriptCall]) -> None:
+        """Send a batch to a cluster: one pipeline per node, all nodes at once, wave after wave
+        (see ``Run``), following MOVED, ASK and NOSCRIPT at once. Calls answered TRYAGAIN (their
+        slot is being migrated) are parked with their groups' later waves, so that this sender
+        takes the next batch meanwhile."""
+        runs = runs_of(batch)
+        try:
+            later = await self._drive(runs, [call for run in runs for call in run.current()])
+        except Exception as exc:  # e.g. no node serves a slot: every call not answered yet hears it
+            for call in batch:
+                call.finish(error=exc)
+            return
+        self._park(runs, later)
+
+    async def _drive(self, runs: list[Run], ready: list[ScriptCall]) -> list[ScriptCall]:
+        """Send ``ready`` and each wave it opens until only calls answered TRYAGAIN are left;
+        returns those."""
+        later: list[ScriptCall] = []
+        while ready:
+            again, waiting = await self._round(ready)
+            later += waiting
+            ready = again + [call for run in runs for call in run.advance()]
+        return later
+
+    def _park(self, runs: list[Run], later: list[ScriptCall]) -> None:
+        if later:
+            self._parked += later
+            self._parked_runs += [run for run in runs if run.current()]
+            self._unpark.set()
+
+    async def unparker(self) -> None:
+        """Send the parked calls again, all together, with growing pauses while their slots
+        stay in migration; then their groups' later waves. One task for all of them, so a
+        migration holds one connection per node however many calls wait on it."""
+        pause = 0.002
+        while True:
+            if not self._parked:
+                pause = 0.002
+                self._unpark = anyio.Event()
+                await self._unpark.wait()
+            await anyio.sleep(pause)  # the MIGRATE of the slot's keys is under way
+            pause = min(pause * 2, 0.1)
+            runs, later = self._parked_runs, self._parked
+            self._parked_runs, self._parked = [], []
+            calls = [call for run in runs for call in run.calls()]
+            try:
+                later = await self._drive(runs, later)
+            except Exception as exc:
+                for call in calls:
+                    call.finish(error=exc)
+                later = []
+            finally:
+                self._in_flight.difference_update([call for call in calls if call.finished])
+            self._park(runs, later)
+
+    async def _round(self, calls: list[ScriptCall]) -> tuple[list[ScriptCall], list[ScriptCall]]:
+        """Send each call to its node once. Finishes the calls answered for good; returns those
+        to send again now (MOVED, ASK, NOSCRIPT) and those to send again later (TRYAGAIN)."""
+        manager = self._redis.nodes_manager
+        by_node: dict[str, tuple[Any, list[ScriptCall]]] = {}
+        for call in calls:
+            node = call.asked or manager.get_node_from_slot(call.slot)
+            by_node.setdefault(node.name, (node, []))[1].append(call)
+        answers: dict[str, list[Any]] = {}
+        async with anyio.create_task_group() as tg:
+            for name, (node, sent) in by_node.items():
+                tg.start_soon(self._on_node, node, sent, answers, name)
+        again: list[ScriptCall] = []
+        later: list[ScriptCall] = []
+        missing: dict[str, Script] = {}
+        for name, (_node, sent) in by_node.items():
+            for call, reply in zip(sent, answers[name], strict=True):
+                asked, call.asked = call.asked, None
+                retry: list[ScriptCall] | None = None
+                if isinstance(reply, MovedError):
+                    retry, kind = again, "MOVED"
+                    await manager.move_slot(reply)
+                elif isinstance(reply, AskError):
+                    call.asked = await self._node_named(reply.host, reply.port)
+                    retry, kind = (again if call.asked is not None else None), "ASK"
+                elif isinstance(reply, TryAgainError):
+                    retry, kind, call.asked = later, "TRYAGAIN", asked  # importing: ask that node again
+                elif no_script(reply):
+                    retry, kind, call.asked = again, "", asked
+                    missing[call.script.name] = call.script
+                if retry is later:
+                    call.parked = call.parked or time.monotonic()
+                    gave_up = time.monotonic() - call.parked > MIGRATION_WAIT
+                else:
+                    call.tries += 1
+                    gave_up = call.tries > REDIRECT_ROUNDS
+                if retry is None or gave_up:
+                    if isinstance(reply, Exception):
+                        call.finish(error=reply)
+                    else:
+                        call.finish(result=reply)
+                    continue
+                if kind:
+                    self.redirects[kind] += 1
+                retry.append(call)
+        if missing:
+            try:
+                for script in missing.values():
+                    await self._redis.script_load(script.source)  # on every primary
+            except (RedisError, OSError) as exc:
+                for call in again:
+                    if call.script.name in missing:
+                        call.finish(error=exc)
+                again = [call for call in again if not call.finished]
+        return again, later
+
+    async def _on_node(self, node: Any, calls: list[ScriptCall], answers: dict[str, list[Any]], name: str) -> None:
+        try:
+            conn = node.acquire_connection()
+        except MaxConnectionsError as exc:
+            answers[name] = [exc] * len(calls)
+            return
+        try:
+            answers[name] = await exchange(conn, calls, [call.asked is not None for call in calls])
+        except (RedisError, OSError) as exc:  # this node's calls hear it; the other nodes' do not
+            answers[name] = [exc] * len(calls)
+            await self._refresh_slots(node.name)
+        finally:
+            node.release(conn)
+
+    async def _node_named(self, host: str, port: int) -> Any:
+        manager = self._redis.nodes_manager
+        node = manager.get_node(host=host, port=port)
+        if node is None:  # a node this client has not met yet: learn the topology again
+            await self._refresh_slots()
+            node = manager.get_node(host=host, port=port)
+        return node
+
+    async def _refresh_slots(self, failed: str | None = None) -> None:
+        """Learn the cluster's slots again after a node failed (a failover may have moved them);
+        at most once a second."""
+        if time.monotonic() - self._refreshed < 1.0:
+            return
+        self._refreshed = time.monotonic()
+        try:
+            await self._redis.nodes_manager.initialize(last_failed_node_name=failed)
+        except (RedisError, OSError) as exc:
+            log.warning("could not refresh the cluster's slots (%s)", exc)
+

@@ -1,0 +1,133 @@
+"""Script calls on the wire: a queued EVALSHA call and its group, RESP packing, and one
+exchange of many calls on one connection.
+
+redis-py's general command packer and per-reply wrapper cost several times more than the
+work they wrap, so the batcher (``batching.py``) and the cluster sender (``cluster.py``)
+write EVALSHA by hand and read replies straight from the parser.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import anyio
+from redis.crc import key_slot
+from redis.exceptions import NoScriptError, ResponseError
+
+from .scripts import Script
+
+__all__ = ["Group", "ScriptCall", "exchange", "guard_key", "no_script", "pack_evalsha"]
+
+_ASKING = b"*1\r\n$6\r\nASKING\r\n"
+
+
+def guard_key(key: str) -> str | None:
+    """A key of ``key``'s slot that handoffbus never writes, for a cluster call to declare (see
+    ``cluster.py``): ``key`` with ``~`` appended (no agent or request id contains one), and for a
+    key without a hash tag, also the key as a tag, so the slot stays the same. Starting with
+    ``key``, it matches the same ACL key patterns."""
+    guard = f"{key}~" if "{" in key else f"{key}~{{{key}}}"
+    return guard if key_slot(guard.encode()) == key_slot(key.encode()) else None
+
+
+def pack_evalsha(call: ScriptCall, guard: bool = False) -> bytes:
+    """RESP for EVALSHA. redis-py's general packer costs several times more per command."""
+    keys = call.keys
+    if guard and keys:
+        extra = guard_key(keys[0])
+        if extra is not None:
+            keys = [*keys, extra]  # the scripts read KEYS by position: one more is never looked at
+    args = (call.script.sha, len(keys), *keys, *call.args)
+    parts = [b"*%d\r\n$7\r\nEVALSHA\r\n" % (len(args) + 1)]
+    for value in args:
+        if type(value) is str:
+            value = value.encode()
+        elif type(value) is int:
+            value = b"%d" % value
+        elif not isinstance(value, bytes):
+            raise TypeError(f"cannot send {type(value).__name__} to Redis")
+        parts += (b"$%d\r\n" % len(value), value, b"\r\n")
+    return b"".join(parts)
+
+
+class Group:
+    """The calls of one ``call_many``: one event for all of them.
+
+    An asyncio.Event: the bus runs on asyncio only (redis-py's asyncio client), and creating an
+    anyio.Event looks the backend up every time; waiting on it is cancelled by anyio's cancel
+    scopes all the same.
+    """
+
+    __slots__ = ("done", "pending")
+
+    def __init__(self, size: int) -> None:
+        self.pending = size
+        self.done = asyncio.Event()
+
+
+class ScriptCall:
+    __slots__ = ("args", "asked", "error", "finished", "group", "keys", "parked", "result", "script", "tries")
+
+    def __init__(self, script: Script, keys: list[str], args: list[Any], group: Group) -> None:
+        self.script = script
+        self.keys = keys
+        self.args = args
+        self.group = group
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.finished = False
+        #: on a cluster: the node an ASK reply sent the call to, how often it was sent again at
+        #: once, and when it was first answered TRYAGAIN
+        self.asked: Any = None
+        self.tries = 0
+        self.parked: float | None = None
+
+    @property
+    def slot(self) -> int:
+        """The call's cluster slot: its first key's (all its keys share the hash tag)."""
+        return key_slot(self.keys[0].encode())
+
+    def finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.result, self.error = result, error
+        self.group.pending -= 1
+        if self.group.pending == 0:
+            self.group.done.set()
+
+
+def no_script(reply: Any) -> bool:
+    return isinstance(reply, NoScriptError)
+
+
+async def exchange(conn: Any, calls: list[ScriptCall], asking: list[bool] | None = None) -> list[Any]:
+    """Write the calls as one write on one connection, then read one reply per call. On a
+    cluster node (``asking`` given) each call declares its guard key, and a call marked in
+    ``asking`` goes right after an ASKING, which applies to the next command only."""
+    if asking is None:
+        data = b"".join(pack_evalsha(call) for call in calls)
+    else:  # a cluster node
+        data = b"".join((_ASKING if ask else b"") + pack_evalsha(call, guard=True)
+                        for call, ask in zip(calls, asking, strict=True))
+    try:
+        await conn.send_packed_command(data, check_health=False)
+        # the parser itself, when it has one: redis-py's per-reply wrapper (timeouts, host
+        # bookkeeping) costs more than the reply; hiredis hands error replies back as values
+        read = getattr(getattr(conn, "_parser", None), "read_response", None) or conn.read_response
+        replies: list[Any] = []
+        for i in range(len(calls)):
+            if asking is not None and asking[i]:
+                with contextlib.suppress(ResponseError):  # the call's own reply says what went wrong
+                    await read()  # +OK
+            try:
+                replies.append(await read())
+            except ResponseError as exc:  # an error reply answers its own call only
+                replies.append(exc)
+    except BaseException:
+        with anyio.CancelScope(shield=True):  # even when cancelled: never leak the socket
+            await conn.disconnect()  # the replies left on the wire belong to no one now
+        raise
+    return replies
