@@ -187,7 +187,7 @@ class HandoffClient:
         self, handoff_id: str, caps: str, request: HandoffRequest, fail_fast: bool
     ) -> list[tuple[str, list[str], list[Any]]]:
         """What routes a new request, sent right after its record: into its capability set's
-        queue, ringing the least loaded capable agents; or, failing fast, straight to REJECTED."""
+        queue, ringing capable agents with room; or, failing fast, straight to REJECTED."""
         router = self._bus.router
         assert request.timeout is not None
         deadline = f"+{int(request.timeout * 1000)}"  # counted by the route script: a few ms after the record's

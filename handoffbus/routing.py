@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
+from . import errors
 from .errors import raise_for_code
 from .models import AgentInfo, HandoffResponse, HandoffStatus, WorkerInfo
 from .names import check_names, split_handoff_id
@@ -130,16 +131,18 @@ class Directory:
 
     @staticmethod
     def capable(agents: Sequence[AgentInfo], canonical: str, exclude: Iterable[str] = ()) -> list[AgentInfo]:
-        """Agents with every capability of the set and a worker not draining, least loaded first;
-        equally loaded ones in random order, so that the ones rung are not always the same few
-        (the loads a requester sees are up to a heartbeat old, and often all equal)."""
+        """Agents with every capability of the set and a worker not draining, in random order,
+        those with room before those that were full. Not least loaded first: the loads a
+        requester sees are up to a heartbeat old, and ringing the least loaded by a stale
+        figure sends every ring of the next second to the same few agents while the others
+        sleep. Pulling balances the load itself: only a worker with free slots pulls."""
         skip = set(exclude)
         found = [
             a for a in agents
             if a.agent_id not in skip and serves(a.capabilities, canonical)
             and any(w.state != "DRAINING" for w in a.workers)
         ]
-        return sorted(found, key=lambda a: (a.load / max(a.limit, 1), random.random()))
+        return sorted(found, key=lambda a: (a.load >= a.limit > 0, random.random()))
 
 
 class Router:
@@ -166,7 +169,7 @@ class Router:
         ]
 
     def ring_calls(self, candidates: Sequence[AgentInfo], handoff_id: str, deferred: str = ",") -> list[Call]:
-        """Wake the least loaded capable agents that are not deferred (the others pull when they
+        """Wake capable agents with room that are not deferred (the others pull when they
         next have room, or after their block timeout)."""
         calls: list[Call] = []
         for agent in candidates:
@@ -195,8 +198,13 @@ class Router:
         ]
 
     def response(self, handoff_id: str, reply: Sequence[Any]) -> HandoffResponse | None:
-        """The response of an unroutable call (None if it was left alone); raises on a negative code."""
+        """The response of an unroutable call: None if it was left alone because it is offered
+        to an agent, or gone, decided or expired meanwhile (nothing is left to route: a refusal
+        racing a cancel, or a stale queue entry pulled after the last refusal decided it);
+        raises on any other negative code."""
         code = int(reply[0])
+        if code in (errors.NOT_FOUND, errors.INVALID_TRANSITION, errors.EXPIRED):
+            return None
         if code < 0:
             raise_for_code(code, handoff_id, ROUTER, "route", reply[1] if len(reply) > 1 else None)
         return response_from_reply(handoff_id, reply[2:], self._bus.codec) if code == 1 else None
