@@ -13,6 +13,7 @@ from .context import HandoffContext as HandoffContext
 from .context import context_json_schema as context_json_schema
 from .context import deserialize_context as deserialize_context
 from .context import serialize_context as serialize_context
+from .embedded import EmbeddedCluster as EmbeddedCluster
 from .embedded import EmbeddedServer as EmbeddedServer
 from .errors import AuthenticationFailed as AuthenticationFailed
 from .errors import CallRefused as CallRefused
@@ -66,6 +67,7 @@ __all__ = [
     "ConversationEntry",
     "DeadLetter",
     "DecodeError",
+    "EmbeddedCluster",
     "EmbeddedServer",
     "EncodeError",
     "ForwarderUnavailable",
