@@ -185,7 +185,11 @@ async def test_priority_order_holds_within_a_capability_set(bus: HandoffBus) -> 
     assert agent.order == [f"r{i}" for i in sorted(range(len(priorities)), key=lambda i: (priorities[i], i))]
 
 
-async def test_equal_agents_get_comparable_shares(bus: HandoffBus) -> None:
+async def test_equal_agents_get_comparable_shares(real_bus: HandoffBus) -> None:
+    """On real servers only: shares follow how soon each agent's worker runs after a ring,
+    and the in-memory server runs its scripts inside the test's own event loop, so a stall
+    of that loop (as under a loaded CI host) decides shares there, not routing."""
+    bus = real_bus
     class Working(Specialist):
         async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
             await anyio.sleep(0.002)  # simulated work, so that every agent is kept busy

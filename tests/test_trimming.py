@@ -100,9 +100,15 @@ async def test_an_agent_at_its_cap_pushes_back_on_producers_and_loses_nothing(
             agent.gate.set()
             with anyio.fail_after(60):
                 outcomes = [await h.outcome() for h in held]
-            # room again: the refused requests go through with the same request ids
-            retried = [await client.request_handoff(req("req", "gated-1", reason="more", request_id=f"p0-{i}"))
-                       for i in range(50)]
+            # a worker settles finished handoffs (frees their places) after their outcomes are
+            # sent, and a drained one has settled them all
+            worker.drain()
+        # room again: the refused requests go through with the same request ids
+        retried = [await client.request_handoff(req("req", "gated-1", reason="more", request_id=f"p0-{i}"))
+                   for i in range(50)]
+        async with anyio.create_task_group() as tg:
+            worker = Worker(bus, agent, concurrency=cap)
+            await tg.start(worker.run)
             with anyio.fail_after(30):
                 later = [await h.outcome() for h in retried]
             worker.drain()

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 __all__ = ["Worker", "serve_until_signalled"]
 
 log = logging.getLogger("handoffbus")
+#: seconds a registry beat may take once sent before stopping stops waiting for it
+REGISTER_WAIT = 5.0
 
 
 def default_consumer_name() -> str:
@@ -200,7 +202,10 @@ class Worker:
         while True:
             await anyio.sleep(self.beat)  # a timer
             try:
-                await self._register()
+                # shielded: a beat cancelled once sent would still run, possibly after the
+                # leave that stopping writes, and list this worker again until its TTL ran out
+                with anyio.move_on_after(REGISTER_WAIT, shield=True):
+                    await self._register()
                 await self._routes.refresh()
             except (RedisError, OSError) as exc:
                 log.warning("%s: registry heartbeat failed (%s)", self.consumer, exc)
