@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import redis.asyncio as aioredis
 from anyio.abc import TaskGroup
-from redis.exceptions import AuthenticationError
+from redis.exceptions import AuthenticationError, RedisError
 
 from .batching import ScriptBatcher
 from .client import HandoffClient
@@ -28,6 +28,7 @@ from .records import Loaded, loaded_from_row, record_from_hash
 from .routing import Router
 from .scripts import Scripts
 from .signing import Keyring
+from .stats import StatsFlusher, Tally
 from .sweeper import Sweeper
 from .waiters import ResponseReader, Waiter
 
@@ -117,6 +118,10 @@ class HandoffBus:
         self._known_requesters: set[str] = set()
         self._known_targets: set[str] = set()
         self.sweeper = Sweeper(self)
+        #: counts of the transitions and expiries this process makes, added to the agents'
+        #: stats hashes every second (see stats.py)
+        self.tally = Tally()
+        self.stats = StatsFlusher(self)
 
     # ------------------------------------------------------------------ construction
 
@@ -191,6 +196,7 @@ class HandoffBus:
                 await self._tg.start(self._outbox.start)  # the forwarder's bus sweeps, not this one
             else:
                 await self._tg.start(self.sweeper.run)
+            await self._tg.start(self.stats.run)
         except BaseException:
             await stack.aclose()
             raise
@@ -199,6 +205,11 @@ class HandoffBus:
 
     async def __aexit__(self, *exc_info: object) -> None:
         if self._tg is not None:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+                try:
+                    await self.stats.flush()  # the last second's counts
+                except (RedisError, OSError, HandoffbusError) as exc:
+                    log.info("last stats not written (%s)", exc)
             self._tg.cancel_scope.cancel()
         if self._stack is not None:
             # the task group exits first (its tasks were just cancelled), then the client
@@ -326,6 +337,11 @@ class HandoffBus:
     async def settle(self, target: str, handoff_ids: list[str]) -> int:
         return int(await self.script(*self.settle_call(target, handoff_ids)))
 
+    async def settle_expired(self, target: str, handoff_ids: list[str]) -> int:
+        """Settle handoffs this process just made EXPIRED, and count them for ``target``."""
+        self.tally.add(target, "EXPIRED", len(handoff_ids))
+        return await self.settle(target, handoff_ids)
+
     async def load_records(self, handoff_ids: Sequence[str]) -> list[Loaded | None]:
         """What each record holds (None where it is gone), in one round trip; never raises for bad data."""
         if not handoff_ids:
@@ -351,7 +367,7 @@ class HandoffBus:
             return None
         fields = dict(zip(reply[3::2], reply[4::2], strict=True))
         if reply[2] == 1 and fields.get(b"to"):
-            await self.settle(fields[b"to"].decode(), [handoff_id])  # this read expired it
+            await self.settle_expired(fields[b"to"].decode(), [handoff_id])  # this read expired it
         return int(reply[0]), reply[1], record_from_hash(fields, self.codec, self.keyring)
 
     async def server_time_ms(self) -> int:

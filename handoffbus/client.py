@@ -233,7 +233,7 @@ class HandoffClient:
     # ------------------------------------------------------------------ transitions
 
     async def _transition(
-        self, name: str, handoff_id: str, fields: dict[str, Any], *, settle: bool = True
+        self, name: str, handoff_id: str, fields: dict[str, Any], *, settle: bool = True, created_ms: int = 0
     ) -> HandoffResponse:
         """Run one transition script. ``settle`` also takes the handoff out of the target's queue
         and inbox; a worker passes False and settles in its next ``take`` instead."""
@@ -260,10 +260,12 @@ class HandoffClient:
             [final] = await bus.router.reroute([Reroute.of(reply[2:9], reply[9])])
             return final or refusal_response(handoff_id, self.agent_id, fields)
         if code == errors.EXPIRED and reply[1]:
-            await bus.settle(reply[1].decode(), [handoff_id])
+            await bus.settle_expired(reply[1].decode(), [handoff_id])
         if code < 0:
             raise_for_code(code, handoff_id, self.agent_id, name, reply[1] if len(reply) > 1 else None)
         response = response_from_reply(handoff_id, reply[2:], bus.codec)
+        if code == 1:
+            bus.tally.transition(self.agent_id, response.status, created_ms, response.timestamp_ms)
         if settle:
             await bus.settle(reply[1].decode() if reply[1] else self.agent_id, [handoff_id])
         return response

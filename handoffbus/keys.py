@@ -125,6 +125,10 @@ class Keys:
         """Hash of the agent's registered workers (consumer -> info with its last beat)."""
         return f"{self.slot(agent)}workers"
 
+    def stats(self, agent: str) -> str:
+        """Hash of the agent's counters and latency histograms (see handoffbus/stats.py)."""
+        return f"{self.slot(agent)}stats"
+
     def worker_beat(self, agent: str, consumer: str) -> str:
         """A worker's heartbeat key: its TTL runs out when the worker stops beating."""
         return f"{self.slot(agent)}w:{consumer}"

@@ -49,6 +49,8 @@ SCRIPT_NAMES = (
     "withdraw",
     "ring",
     "unroutable",
+    "count",
+    "observe",
 )
 _INCLUDE = re.compile(r"^-- @include (\w+)$", re.MULTILINE)
 
@@ -143,3 +145,5 @@ class Scripts:
     withdraw: Script
     ring: Script
     unroutable: Script
+    count: Script
+    observe: Script

@@ -41,7 +41,7 @@ PREFIX = "hb"
 #: Every key suffix handoffbus/keys.py builds (the doc must explain each).
 SUFFIXES = ("h:", "p:", "deadlines", "responses", "queue", "inbox", "inflight", "seq", "bell", "dead",
             "workers", "w:", "agents", "requesters", "targets", "sweep-lease", "route", "rmeta", "rclaims", "rseq",
-            "routes", "outbox", "replies")
+            "routes", "outbox", "replies", "stats")
 #: the capability set of the doc's routed example
 ROUTED_SET = "code_review,security"
 
@@ -96,6 +96,7 @@ def expected_keys() -> set[str]:
     found.add(keys.dead_letters(TARGET))
     found |= {keys.workers(TARGET), keys.worker_beat(TARGET, "worker-1")}
     found |= {keys.outbox(TARGET), keys.replies(TARGET)}  # an isolated agent's (forwarding.py)
+    found.add(keys.stats(TARGET))
     for name, member in vars(Keys).items():
         if isinstance(member, property):
             found.add(getattr(keys, name))
@@ -170,6 +171,8 @@ async def build_state(bus: HandoffBus, url: str) -> None:
             row = await isolated.script("load", [bus.keys.record(REQUESTER, "req-42").record], [])
             assert row[0] == b"PENDING"
         tg.cancel_scope.cancel()
+
+    await bus.stats.flush()  # req-41's acceptance and completion, counted for the target
 
     record = await requester.get_handoff_status(f"{REQUESTER}/req-42")
     assert record is not None and record.status is HandoffStatus.PENDING

@@ -297,6 +297,8 @@ class Worker:
         for delivery, row in zip(taken, loaded, strict=True):
             deliveries = counts.get(delivery.entry_id, 1)
             log.info("%s: reclaimed %s (delivery %d)", self.consumer, delivery.handoff_id, deliveries)
+            if deliveries > 1:
+                self.bus.tally.add(self.agent.agent_id, "redelivered")
             self._active += 1
             handlers.start_soon(self._handle, delivery, row, deliveries)
         return cursor
@@ -361,12 +363,12 @@ class Worker:
                 # accepted by a worker of this agent that stopped: carry on from there
                 attempt = await self._take_over(hid)
                 after = "keep pending"
-                status = await self._work(hid, row.request, attempt)
+                status = await self._work(hid, row.request, attempt, row.created_ms)
             else:
                 after = "give back"  # nothing sent yet: a stop now hands it back to the queue
                 decision = await self._decide(hid, row.request)
                 after = "keep pending"  # from here a stop leaves it pending, to be reclaimed
-                status = await self._act(hid, row.request, decision)
+                status = await self._act(hid, row.request, decision, row.created_ms)
             self.handled[status] = self.handled.get(status, 0) + 1
             after = "settle"
         except LeaseLost:
@@ -413,17 +415,20 @@ class Worker:
                 return Reject(reason=f"acceptance hook returned an invalid Reject: {exc}", code="HOOK_FAILED")
         return decision
 
-    async def _act(self, hid: str, request: HandoffRequest, decision: Accept | Reject) -> HandoffStatus:
+    async def _act(
+        self, hid: str, request: HandoffRequest, decision: Accept | Reject, created_ms: int
+    ) -> HandoffStatus:
         client, codec = self._client, self.bus.codec
         if isinstance(decision, Reject):
             fields = rejection_fields(decision.reason, decision.code, decision.retry_after_ms, decision.redirect_to)
             # a routed handoff refused goes on to another agent: it stays PENDING
-            return (await client._transition("reject", hid, fields, settle=False)).status
+            return (await client._transition("reject", hid, fields, settle=False, created_ms=created_ms)).status
         meta = codec.dumps_value(decision.metadata) if decision.metadata else None
-        await client._transition("accept", hid, {"rmeta": meta, "lease": self.consumer}, settle=False)
-        return await self._work(hid, request, 1)
+        await client._transition("accept", hid, {"rmeta": meta, "lease": self.consumer}, settle=False,
+                                 created_ms=created_ms)
+        return await self._work(hid, request, 1, created_ms)
 
-    async def _work(self, hid: str, request: HandoffRequest, attempt: int) -> HandoffStatus:
+    async def _work(self, hid: str, request: HandoffRequest, attempt: int, created_ms: int) -> HandoffStatus:
         """Run the work hook (retried per the agent's policy) and record its outcome under
         this worker's lease."""
         client, codec, policy = self._client, self.bus.codec, self.agent.retry
@@ -441,7 +446,8 @@ class Worker:
                 if not policy.should_retry(attempt, exc):
                     log.exception("%s: handler failed for %s (attempt %d)", self.consumer, hid, attempt)
                     error = f"{type(exc).__name__}: {exc}"
-                    await client._transition("fail", hid, {"error": error, "lease": self.consumer}, settle=False)
+                    await client._transition("fail", hid, {"error": error, "lease": self.consumer}, settle=False,
+                                             created_ms=created_ms)
                     return HandoffStatus.FAILED
                 delay = policy.delay_before(attempt)
                 log.warning("%s: handler failed for %s (attempt %d: %s); retrying in %.2fs",
@@ -449,7 +455,8 @@ class Worker:
             await anyio.sleep(delay)  # the retry backoff (a stop meanwhile leaves it pending)
             attempt = await self._take_over(hid, retry=True)
         packed = None if result is None else codec.dumps_value(result)
-        await client._transition("complete", hid, {"result": packed, "lease": self.consumer}, settle=False)
+        await client._transition("complete", hid, {"result": packed, "lease": self.consumer}, settle=False,
+                                 created_ms=created_ms)
         return HandoffStatus.COMPLETED
 
     async def _renew(self, hid: str) -> None:

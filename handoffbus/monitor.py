@@ -1,0 +1,113 @@
+"""What operators watch: each agent's backlog, work in flight, live workers and counters, read
+from Redis alone (``handoffbus top``, ``check``, the metrics exporter and the tests use it).
+
+One ``observe`` script per agent (its own slot) returns queue depth, in-flight count, the
+oldest in-flight inbox entry, the stats hash and the head of each priority band of the
+queue. A band is served first in, first out, so the oldest waiting handoff is one of those
+heads: their records (in the requesters' slots) give the ages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from .names import split_handoff_id
+from .stats import AgentCounts
+
+if TYPE_CHECKING:
+    from .bus import HandoffBus
+
+__all__ = ["AgentView", "observe", "observe_agents"]
+
+#: priority bands whose head is looked at for the oldest waiting handoff
+BANDS = 32
+
+
+class AgentView(msgspec.Struct, frozen=True, kw_only=True):
+    """One agent at one moment (``at_ms``, Redis time)."""
+
+    agent_id: str
+    at_ms: int
+    queued: int
+    in_flight: int
+    #: seconds the oldest queued handoff has waited since it was requested; None: none queued
+    oldest_waiting_s: float | None
+    #: seconds since the oldest in-flight handoff was taken by a worker; None: none in flight
+    oldest_in_flight_s: float | None
+    #: live worker processes, and the latest heartbeat among them (Redis time ms, 0: none)
+    workers: int
+    last_beat_ms: int
+    capabilities: list[str] = []
+    counts: AgentCounts = AgentCounts()
+
+    @property
+    def beat_age_s(self) -> float | None:
+        return (self.at_ms - self.last_beat_ms) / 1000 if self.last_beat_ms else None
+
+
+async def known_agents(bus: HandoffBus) -> list[str]:
+    """Every agent with a registered worker or a queue, sorted."""
+    # two reads, not SUNION: on a cluster the two sets live in different slots
+    names = await bus.redis.smembers(bus.keys.agents) | await bus.redis.smembers(bus.keys.targets)
+    return sorted(_text(n) for n in names)
+
+
+async def observe_agents(bus: HandoffBus, agents: Sequence[str] | None = None) -> list[AgentView]:
+    """The views of ``agents`` (default: every known agent), read together."""
+    names = list(agents) if agents is not None else await known_agents(bus)
+    if not names:
+        return []
+    keys = bus.keys
+    replies = await bus.scripts_many([
+        ("observe", [*keys.target(name).as_list(), keys.stats(name)], [BANDS]) for name in names
+    ])
+    heads: list[tuple[int, str]] = []  # (agent index, handoff id) of every band head
+    for i, reply in enumerate(replies):
+        if isinstance(reply, BaseException):
+            raise reply
+        heads += [(i, _text(hid)) for hid in reply[5][::2]]
+    created = await _created_times(bus, [hid for _, hid in heads])
+    oldest: dict[int, int] = {}
+    for (i, _), at in zip(heads, created, strict=True):
+        if at:
+            oldest[i] = min(oldest.get(i, at), at)
+    live = {a.agent_id: a for a in await bus.router.directory.agents(max_age=0)}
+    views = []
+    for i, (name, reply) in enumerate(zip(names, replies, strict=True)):
+        queued, in_flight, first_entry, now = int(reply[0]), int(reply[1]), _text(reply[2]), int(reply[3])
+        flat = reply[4]
+        info = live.get(name)
+        views.append(AgentView(
+            agent_id=name, at_ms=now, queued=queued, in_flight=in_flight,
+            oldest_waiting_s=max(0.0, (now - oldest[i]) / 1000) if i in oldest else None,
+            oldest_in_flight_s=max(0.0, (now - int(first_entry.split("-")[0])) / 1000) if first_entry else None,
+            workers=len(info.workers) if info else 0,
+            last_beat_ms=max((w.beat_ms for w in info.workers), default=0) if info else 0,
+            capabilities=info.capabilities if info else [],
+            counts=AgentCounts.parse(dict(zip(flat[::2], flat[1::2], strict=True))),
+        ))
+    return views
+
+
+async def observe(bus: HandoffBus, agent: str) -> AgentView:
+    [view] = await observe_agents(bus, [agent])
+    return view
+
+
+async def _created_times(bus: HandoffBus, handoff_ids: list[str]) -> list[int]:
+    """The records' creation times (0 where a record is gone); one pipeline, split by node on a cluster."""
+    if not handoff_ids:
+        return []
+    async with bus.redis.pipeline(transaction=False) as pipe:
+        for hid in handoff_ids:
+            requester, request_id = split_handoff_id(hid)
+            pipe.hget(bus.keys.record(requester, request_id).record, "created")
+        values: list[Any] = await pipe.execute()
+    return [int(v) if v else 0 for v in values]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

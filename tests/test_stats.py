@@ -1,0 +1,92 @@
+"""Per-agent counters and latency histograms in Redis, and what the monitor reads of an agent."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from handoffbus import HandoffBus, HandoffStatus
+from handoffbus.monitor import observe, observe_agents
+from handoffbus.stats import BUCKETS, AgentCounts, Tally, quantile
+
+from .agents import Echo, Faulty
+from .helpers import req, serving
+
+pytestmark = pytest.mark.anyio
+S = HandoffStatus
+
+
+def test_quantiles_interpolate_within_buckets() -> None:
+    histogram = [0] * (len(BUCKETS) + 1)
+    histogram[2] = 10  # ten between 10 and 25 ms
+    assert quantile(tuple(histogram), 0.5) == pytest.approx(0.0175)
+    assert quantile(tuple(histogram), 1.0) == pytest.approx(0.025)
+    histogram[-1] = 10  # ten longer than the last bound: reported as that bound
+    assert quantile(tuple(histogram), 0.99) == BUCKETS[-1]
+    assert quantile((0,) * (len(BUCKETS) + 1), 0.5) is None
+
+
+def test_a_tally_counts_statuses_and_latencies_and_takes_them_once() -> None:
+    tally = Tally()
+    tally.transition("a", S.ACCEPTED, created_ms=1000, at_ms=1007)
+    tally.transition("a", S.COMPLETED, created_ms=1000, at_ms=1300)
+    tally.transition("a", S.CANCELLED)  # not an agent's doing: not counted
+    tally.add("b", "EXPIRED", 3)
+    taken = tally.take()
+    assert taken["a"] == {"ACCEPTED": 1, "decision:1": 1, "decision:sum_ms": 7,
+                          "COMPLETED": 1, "duration:6": 1, "duration:sum_ms": 300}
+    assert taken["b"] == {"EXPIRED": 3}
+    assert tally.take() == {}
+    tally.give_back({"b": taken["b"]})
+    assert tally.take() == {"b": {"EXPIRED": 3}}
+
+
+def test_differences_of_readings() -> None:
+    first = AgentCounts.parse({b"ACCEPTED": b"2", b"decision:0": b"2"})
+    later = AgentCounts.parse({b"ACCEPTED": b"5", b"decision:0": b"3", b"decision:3": b"2"})
+    delta = later.minus(first)
+    assert delta.counts["ACCEPTED"] == 3 and delta.decision[0] == 1 and delta.decision[3] == 2
+    assert first.minus(later) == first  # the hash was deleted meanwhile: all of it is new
+
+
+async def test_work_is_counted_per_agent(bus: HandoffBus) -> None:
+    client = bus.client("req")
+    echoes = [await client.request_handoff(req("req", "echo-1")) for _ in range(5)]
+    failing = [await client.request_handoff(req("req", "faulty-1")) for _ in range(2)]
+    expiring = [await client.request_handoff(req("req", "nobody-1", timeout=0.2)) for _ in range(3)]
+    async with serving(bus, Echo(), Faulty()):
+        with anyio.fail_after(20):
+            for handle in [*echoes, *failing, *expiring]:
+                await handle.outcome()
+    await bus.stats.flush()
+    echo, faulty, nobody = await observe_agents(bus, ["echo-1", "faulty-1", "nobody-1"])
+    assert {k: v for k, v in echo.counts.counts.items() if v} == {"ACCEPTED": 5, "COMPLETED": 5}
+    assert {k: v for k, v in faulty.counts.counts.items() if v} == {"ACCEPTED": 2, "FAILED": 2}
+    assert {k: v for k, v in nobody.counts.counts.items() if v} == {"EXPIRED": 3}
+    assert sum(echo.counts.decision) == 5 and sum(echo.counts.duration) == 5
+    p99 = quantile(echo.counts.duration, 0.99)
+    assert p99 is not None and 0 < p99 <= 10  # handled within seconds of the request
+    raw = await bus.redis.hgetall(bus.keys.stats("echo-1"))  # as redis-cli shows it
+    assert raw[b"COMPLETED"] == b"5"
+
+
+async def test_backlog_ages_in_flight_and_live_workers(real_bus: HandoffBus) -> None:
+    bus = real_bus
+    client = bus.client("req")
+    for priority in (5, 1, 5, 9, 1):
+        await client.request_handoff(req("req", "slow-1", priority=priority))
+    first = await client.request_handoff(req("req", "slow-1", priority=-3))
+    view = await observe(bus, "slow-1")
+    assert (view.queued, view.in_flight, view.workers) == (6, 0, 0)
+    # the oldest waiting is the first request made, though it is not first in line
+    record = await client.get_handoff_status(first.handoff_id)
+    assert record is not None and view.oldest_waiting_s is not None
+    oldest_created = min([(await client.get_handoff_status(p.handoff_id)).created_ms  # type: ignore[union-attr]
+                          for p in await client.get_pending_handoffs("slow-1")])
+    assert view.oldest_waiting_s == pytest.approx((view.at_ms - oldest_created) / 1000, abs=0.002)
+    assert view.oldest_in_flight_s is None
+
+    async with serving(bus, Echo()):
+        echo = await observe(bus, "echo-1")
+    assert echo.workers == 1 and echo.capabilities == ["echo"] and echo.beat_age_s is not None
+    assert 0 <= echo.beat_age_s < 3
