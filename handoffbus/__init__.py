@@ -31,6 +31,7 @@ from .errors import NotPermitted as NotPermitted
 from .errors import PayloadTooLarge as PayloadTooLarge
 from .errors import QueueFull as QueueFull
 from .errors import RequestConflict as RequestConflict
+from .errors import ServerUnavailable as ServerUnavailable
 from .errors import ServerUnsupported as ServerUnsupported
 from .errors import SignatureInvalid as SignatureInvalid
 from .errors import TooManyPending as TooManyPending
@@ -98,6 +99,7 @@ __all__ = [
     "RequestConflict",
     "RetryPolicy",
     "RouteStep",
+    "ServerUnavailable",
     "ServerUnsupported",
     "SignatureInvalid",
     "SigningKey",

@@ -19,7 +19,7 @@ from .cluster import is_cluster
 from .codecs import PayloadCodec
 from .config import BusConfig
 from .embedded import EmbeddedCluster, EmbeddedServer
-from .errors import AuthenticationFailed, HandoffbusError, InvalidRequest, ServerUnsupported
+from .errors import AuthenticationFailed, HandoffbusError, InvalidRequest, ServerUnavailable, ServerUnsupported
 from .forwarding import Outbox
 from .keys import GROUP, Keys
 from .models import HandoffRecord
@@ -237,7 +237,7 @@ class HandoffBus:
         except Exception as exc:
             if type(self.redis).__module__.startswith("fakeredis"):
                 return  # fakeredis has no INFO; it is the in-memory mode
-            raise HandoffbusError(f"cannot reach Redis: {exc}") from exc
+            raise ServerUnavailable(f"cannot reach Redis: {exc}") from exc
         for info in infos:
             version = tuple(int(p) for p in str(info.get("redis_version", "0.0")).split(".")[:2])
             if version < MIN_SERVER_VERSION:

@@ -148,6 +148,10 @@ class ServerUnsupported(HandoffbusError):
     """The Redis server is older than the supported minimum."""
 
 
+class ServerUnavailable(HandoffbusError):
+    """Redis could not be reached (refused, unreachable, timed out) when the bus opened."""
+
+
 # Negative codes returned by the scripts under handoffbus/lua/ (see their headers).
 NOT_FOUND = -1
 INVALID_TRANSITION = -2

@@ -60,7 +60,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 
 def test_worker_usage_errors_exit_2() -> None:
     no_url = run_cli("worker", "tests.agents:Echo")
-    assert no_url.returncode == 2 and "needs a shared server" in no_url.stderr
+    assert no_url.returncode == 2 and "needs a server" in no_url.stderr
     missing = run_cli("worker", "tests.agents:Nope", env={"REDIS_URL": "redis://127.0.0.1:1/0"})
     assert missing.returncode == 2 and "cannot load" in missing.stderr
     not_agent = run_cli("worker", "tests.helpers:req", env={"REDIS_URL": "redis://127.0.0.1:1/0"})

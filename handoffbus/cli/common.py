@@ -1,0 +1,116 @@
+"""What every command shares: where Redis is, the key prefix, JSON output and exit codes.
+
+``--redis-url``, ``--prefix`` and ``--json`` may be given before the command (global) or
+after it; the command's own wins. The URL falls back to ``HANDOFFBUS_REDIS_URL``, then
+``REDIS_URL``. Exit codes: 0 ok, 1 a check or a handoff failed, 2 usage, 69 Redis
+unavailable (sysexits' EX_UNAVAILABLE).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, NoReturn
+
+import anyio
+import msgspec
+import typer
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from rich.console import Console
+
+from ..bus import HandoffBus
+from ..errors import AuthenticationFailed, HandoffbusError, InvalidName, InvalidRequest, ServerUnavailable
+
+__all__ = [
+    "EXIT_FAILED", "EXIT_OK", "EXIT_UNAVAILABLE", "EXIT_USAGE", "Json", "Options", "Prefix", "RedisUrl",
+    "console", "emit_json", "open_bus", "options", "run", "usage_error",
+]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 69
+
+RedisUrl = Annotated[str | None, typer.Option(
+    "--redis-url", help="server URL (default: HANDOFFBUS_REDIS_URL, then REDIS_URL)", show_default=False)]
+Prefix = Annotated[str | None, typer.Option("--prefix", help="key prefix (default hb)", show_default=False)]
+Json = Annotated[bool, typer.Option("--json", help="print JSON instead of text")]
+
+console = Console(highlight=False, soft_wrap=True)
+errors = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+@dataclass
+class Options:
+    redis_url: str | None = None
+    prefix: str = "hb"
+    json: bool = False
+
+    def url(self, command: str) -> str:
+        url = self.redis_url or os.environ.get("HANDOFFBUS_REDIS_URL") or os.environ.get("REDIS_URL")
+        if not url:
+            usage_error(f"'{command}' needs a server: give --redis-url, HANDOFFBUS_REDIS_URL or REDIS_URL")
+        return url
+
+
+def options(ctx: typer.Context, redis_url: str | None = None, prefix: str | None = None,
+            as_json: bool = False) -> Options:
+    """The global options, overridden by the command's own."""
+    base: Options = ctx.find_root().obj or Options()
+    return Options(redis_url=redis_url or base.redis_url, prefix=prefix or base.prefix, json=as_json or base.json)
+
+
+def usage_error(message: str) -> NoReturn:
+    """Bad input: say why, exit 2."""
+    errors.print(f"handoffbus: error: {message}")
+    raise typer.Exit(EXIT_USAGE)
+
+
+def open_bus(opts: Options, command: str, **settings: Any) -> HandoffBus:
+    try:
+        return HandoffBus.connect(opts.url(command), prefix=opts.prefix, **settings)
+    except (InvalidRequest, InvalidName) as exc:
+        usage_error(str(exc))
+
+
+def run(func: Callable[..., Awaitable[int]], *args: Any) -> None:
+    """Run a command's coroutine and exit with its code; Redis out of reach exits 69, any other
+    handoffbus error 1, bad input 2."""
+    try:
+        code = anyio.run(func, *args)
+    except (ServerUnavailable, AuthenticationFailed, RedisConnectionError, RedisTimeoutError, socket.gaierror) as exc:
+        errors.print(f"handoffbus: Redis unavailable: {exc}")
+        code = EXIT_UNAVAILABLE
+    except (InvalidRequest, InvalidName) as exc:
+        errors.print(f"handoffbus: error: {exc}")
+        code = EXIT_USAGE
+    except HandoffbusError as exc:
+        errors.print(f"handoffbus: {type(exc).__name__}: {exc}")
+        code = EXIT_FAILED
+    except KeyboardInterrupt:
+        code = 130
+    raise typer.Exit(code)
+
+
+def emit_json(value: Any) -> None:
+    """One JSON document on its own line (msgspec structs and enums as plain values)."""
+    sys.stdout.write(msgspec.json.encode(msgspec.to_builtins(value)).decode() + "\n")
+    sys.stdout.flush()
+
+
+def ago(at_ms: int, now_ms: int) -> str:
+    """'12.3 s ago' / 'in 4.0 s' for a Redis time relative to another."""
+    delta = (now_ms - at_ms) / 1000
+    return f"{delta:.1f} s ago" if delta >= 0 else f"in {-delta:.1f} s"
+
+
+def seconds(value: float | None) -> str:
+    """A duration for a table cell: '-' for none."""
+    if value is None:
+        return "-"
+    if value < 1:
+        return f"{value * 1000:.0f} ms"
+    if value < 120:
+        return f"{value:.1f} s"
+    return f"{value / 60:.1f} min"

@@ -1,0 +1,157 @@
+"""Long-running and setup commands: serve agents, forward isolated agents' calls, the demo,
+ACL users."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import sys
+from typing import Annotated
+
+import anyio
+import typer
+
+from ..bus import HandoffBus
+from ..workers import Agent, Worker
+from ..workers.runner import serve_until_signalled
+from .common import EXIT_FAILED, EXIT_OK, Options, Prefix, RedisUrl, open_bus, options, run, usage_error
+
+__all__ = ["register"]
+
+
+def register(app: typer.Typer) -> None:
+    app.command("worker")(worker)
+    app.command("forwarder")(forwarder)
+    app.command("demo")(demo)
+    app.command("acl")(acl)
+
+
+def _logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def load_agent_class(spec: str) -> type[Agent]:
+    module_name, _, class_name = spec.partition(":")
+    try:
+        agent_class = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        usage_error(f"cannot load {spec!r}: {exc}")
+    if not (isinstance(agent_class, type) and issubclass(agent_class, Agent)):
+        usage_error(f"{spec!r} is not an Agent subclass")
+    return agent_class
+
+
+def worker(
+    ctx: typer.Context,
+    agents: Annotated[list[str], typer.Argument(
+        metavar="AGENT...", help="Agent subclasses to serve in this process, as module.path:ClassName")],
+    concurrency: Annotated[int, typer.Option(help="handoffs handled at once, per agent")] = 8,
+    grace: Annotated[float, typer.Option(help="seconds running handlers get to finish on SIGTERM")] = 30.0,
+    reclaim_idle: Annotated[float, typer.Option(
+        help="seconds after which work left idle by a dead worker is taken over")] = 30.0,
+    offer_time: Annotated[float, typer.Option(
+        help="seconds these agents have to decide a routed offer before it goes to another agent")] = 30.0,
+    isolated: Annotated[bool, typer.Option(
+        "--isolated",
+        help="connect as the agent's own ACL user (see 'acl'); a forwarder carries its handoffs")] = False,
+    redis_url: RedisUrl = None, prefix: Prefix = None,
+) -> None:
+    """Serve Agent classes until SIGTERM/SIGINT: the first drains, a second stops at once."""
+    opts = options(ctx, redis_url, prefix)
+    url = opts.url("worker")
+    classes = [load_agent_class(spec) for spec in agents]
+    if isolated and len(classes) != 1:
+        usage_error("--isolated serves one agent per process: its bus connects as that agent's user")
+    if concurrency < 1:
+        usage_error("--concurrency must be at least 1")
+    _logging()
+    instances = [agent_class() for agent_class in classes]
+    run(_worker, opts, url, instances, concurrency, grace, reclaim_idle, offer_time,
+        instances[0].agent_id if isolated else None)
+
+
+async def _worker(opts: Options, url: str, agents: list[Agent], concurrency: int, grace: float,
+                  reclaim_idle: float, offer_time: float, isolated: str | None) -> int:
+    async with HandoffBus.connect(url, prefix=opts.prefix, offer_time=offer_time, isolated=isolated) as bus:
+        workers = [Worker(bus, agent, concurrency=concurrency, grace=grace, reclaim_idle=reclaim_idle)
+                   for agent in agents]
+        for w in workers:
+            print(f"worker {w.consumer} serving {w.agent.agent_id}", flush=True)
+        await serve_until_signalled(workers)
+        for w in workers:
+            print(f"worker {w.consumer} drained: {dict(w.handled)}", flush=True)
+    return EXIT_OK
+
+
+def forwarder(
+    ctx: typer.Context,
+    agents: Annotated[list[str] | None, typer.Argument(
+        metavar="[AGENT]...", help="agents to serve at once (others are found by their outboxes)")] = None,
+    redis_url: RedisUrl = None, prefix: Prefix = None,
+) -> None:
+    """Carry handoffs between isolated agents (run it as the forwarder ACL user)."""
+    opts = options(ctx, redis_url, prefix)
+    opts.url("forwarder")
+    _logging()
+    run(_forwarder, opts, agents or [])
+
+
+async def _forwarder(opts: Options, agents: list[str]) -> int:
+    from ..forwarding import Forwarder
+
+    async with open_bus(opts, "forwarder") as bus, anyio.create_task_group() as tg:
+        await tg.start(Forwarder(bus, agents).run)
+        print(f"forwarder serving prefix {opts.prefix}", flush=True)
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                break  # nothing is held: an unanswered outbox entry is answered by the next forwarder
+        tg.cancel_scope.cancel()
+    return EXIT_OK
+
+
+def demo(
+    ctx: typer.Context,
+    agents: Annotated[int, typer.Option(help="specialist agents in a load run")] = 3,
+    handoffs: Annotated[int, typer.Option(help="make it a load run of this many handoffs")] = 0,
+    cluster: Annotated[bool, typer.Option(
+        "--cluster", help="without a URL: start an embedded Redis Cluster of three primaries instead")] = False,
+    redis_url: RedisUrl = None,
+) -> None:
+    """Run agents handing work to each other (on a throwaway embedded server by default)."""
+    from ..demo import run as run_demo
+
+    url = options(ctx, redis_url).redis_url or os.environ.get("HANDOFFBUS_REDIS_URL")
+    if agents < 1 or handoffs < 0:
+        usage_error("--agents must be at least 1 and --handoffs not negative")
+    if cluster and url:
+        usage_error("--cluster starts an embedded cluster: give it no --redis-url")
+
+    async def go() -> int:
+        return EXIT_OK if await run_demo(url, print, agents, handoffs, cluster) else EXIT_FAILED
+
+    run(go)
+
+
+def acl(
+    ctx: typer.Context,
+    agents: Annotated[list[str], typer.Argument(metavar="AGENT...", help="agent ids to make users for")],
+    prefix: Prefix = None,
+) -> None:
+    """Print ACL SETUSER commands: a user per agent, the forwarder, a read-only monitor."""
+    from ..acl import agent_user, forwarder_user, monitor_user, setuser_commands
+    from ..config import BusConfig
+    from ..errors import InvalidName, InvalidRequest
+
+    opts = options(ctx, prefix=prefix)
+    try:
+        BusConfig(prefix=opts.prefix)
+        users = [*(agent_user(opts.prefix, agent) for agent in agents), forwarder_user(opts.prefix),
+                 monitor_user(opts.prefix)]
+    except (InvalidRequest, InvalidName) as exc:
+        usage_error(str(exc))
+    print("pipe stdout into redis-cli; keep the generated passwords: each user connects with "
+          "redis://<user>:<password>@host", file=sys.stderr)
+    for line in setuser_commands(users):
+        print(line)

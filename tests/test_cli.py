@@ -1,0 +1,272 @@
+"""Every ``handoffbus`` command against a real server, its output and exit code checked.
+
+Commands run in-process through typer's runner (each opens its own bus and event loop, as
+the installed command does); the workers they watch are real ``handoffbus worker``
+processes. Exit codes: 0 ok, 1 a check or handoff failed, 2 usage, 69 Redis unavailable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from typer.testing import CliRunner
+
+from handoffbus import HandoffBus, HandoffContext, serialize_context
+from handoffbus.cli import app
+from handoffbus.workers.inbox import Inbox
+
+from .conftest import new_prefix
+from .helpers import req
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Cli:
+    """``handoffbus`` against one server and prefix."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        self.url, self.prefix = url, prefix
+        self.runner = CliRunner()
+
+    def __call__(self, *args: str, input: str | None = None, env: dict[str, str] | None = None) -> Any:
+        result = self.runner.invoke(app, [*args, "--redis-url", self.url, "--prefix", self.prefix],
+                                    input=input, env={"COLUMNS": "250", **(env or {})})
+        if result.exception and not isinstance(result.exception, SystemExit):
+            raise result.exception
+        return result
+
+    def json(self, *args: str) -> Any:
+        result = self(*args, "--json")
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    def bus(self) -> HandoffBus:
+        return HandoffBus.connect(self.url, prefix=self.prefix)
+
+
+@pytest.fixture
+def cli(servers: dict) -> Cli:
+    return Cli(servers["valkey"].url, new_prefix())
+
+
+@pytest.fixture
+def worker(cli: Cli) -> Iterator[subprocess.Popen[str]]:
+    """A ``handoffbus worker`` process serving tests.agents:Echo and Faulty."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "handoffbus", "worker", "tests.agents:Echo", "tests.agents:Faulty",
+         "--redis-url", cli.url, "--prefix", cli.prefix],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert process.stdout is not None
+    for _ in range(2):
+        assert "serving" in process.stdout.readline()
+    try:
+        yield process
+    finally:
+        process.send_signal(signal.SIGTERM)
+        out, _ = process.communicate(timeout=30)
+        assert process.returncode == 0 and "drained" in out
+
+
+def in_loop(func: Any, *args: Any) -> Any:
+    return anyio.run(func, *args)
+
+
+# ---------------------------------------------------------------------- request and status
+
+
+def test_request_then_status_and_pending(cli: Cli, tmp_path: Path) -> None:
+    context = HandoffContext(conversation_history=[{"role": "user", "content": "my card was charged twice"}])
+    path = tmp_path / "ctx.json"
+    path.write_bytes(serialize_context(context))
+    done = cli("request", "billing-1", "--from", "triage-1", "--reason", "refund", "--priority", "3",
+               "--context", f"@{path}", "--request-id", "r-1", "--metadata", "ticket=T-9")
+    assert done.exit_code == 0, done.output
+    assert done.stdout.strip() == "requested triage-1/r-1 -> billing-1 (PENDING, priority 3)"
+
+    shown = cli("status", "triage-1/r-1")
+    assert shown.exit_code == 0
+    lines = dict(line.split(None, 1) if " " in line else (line, "") for line in shown.stdout.splitlines())
+    assert lines["status"].strip() == "PENDING"
+    assert "triage-1 -> billing-1" in shown.stdout and re.search(r"\(in (299\.\d|300\.0) s\)", lines["deadline"])
+    assert lines["waiting"].split() == ["for", "billing-1"]
+    assert "PENDING(triage-1) +0 ms" in shown.stdout
+
+    record = cli.json("status", "triage-1/r-1")["record"]
+    assert record["request"]["metadata"] == {"ticket": "T-9"} and record["request"]["priority"] == 3
+
+    pending = cli("pending", "billing-1")
+    assert pending.exit_code == 0 and "triage-1/r-1" in pending.stdout and "1 queued" in pending.stdout
+    listed = cli.json("pending", "billing-1")
+    assert [p["handoff_id"] for p in listed["queued"]] == ["triage-1/r-1"] and listed["in_flight"] == []
+
+
+def test_context_from_stdin_and_bad_contexts(cli: Cli) -> None:
+    good = serialize_context(HandoffContext(conversation_history=[{"role": "user", "content": "hi"}])).decode()
+    assert cli("request", "a-1", "--context", "-", input=good).exit_code == 0
+    bad = cli("request", "a-1", "--context", '{"conversation_history": 7}')
+    assert bad.exit_code == 2 and "not a handoff context" in bad.stderr
+    missing = cli("request", "a-1", "--context", "@/nonexistent.json")
+    assert missing.exit_code == 2 and "cannot read the context" in missing.stderr
+    assert cli("request").exit_code == 2  # neither an agent nor capabilities
+    assert cli("request", "a b").exit_code == 2  # not a valid agent id
+    assert cli("request", "a-1", "--metadata", "novalue").exit_code == 2
+
+
+def test_request_wait_exit_codes_and_routing(cli: Cli, worker: subprocess.Popen[str]) -> None:
+    done = cli("request", "echo-1", "--reason", "hello", "--wait")
+    assert done.exit_code == 0, done.output
+    assert done.stdout.splitlines()[1:] == ["ACCEPTED by echo-1", "COMPLETED by echo-1: "
+                                            "{'echo': 'hello', 'messages': 0, 'attempt': 1}"]
+    failed = cli("request", "faulty-1", "--wait")
+    assert failed.exit_code == 1 and "FAILED by faulty-1: ValueError: the tool crashed" in failed.stdout
+    routed = cli("request", "--capability", "echo", "--reason", "routed", "--wait")
+    assert routed.exit_code == 0 and "capabilities echo" in routed.stdout and "COMPLETED" in routed.stdout
+    nobody = cli("request", "--capability", "teleport", "--fail-fast", "--wait")
+    assert nobody.exit_code == 1 and "REJECTED by _router: NO_CAPABLE_AGENT" in nobody.stdout
+    expired = cli("request", "nobody-1", "--timeout", "0.3", "--wait")
+    assert expired.exit_code == 1 and "EXPIRED" in expired.stdout
+
+
+def test_status_watch_until_the_end_and_unknown_ids(cli: Cli, worker: subprocess.Popen[str]) -> None:
+    assert cli("request", "echo-1", "--request-id", "w-1", "--from", "req").exit_code == 0
+    watched = cli("status", "req/w-1", "--watch", "--interval", "0.05")
+    assert watched.exit_code == 0
+    assert watched.stdout.count("handoff ") >= 1 and "COMPLETED" in watched.stdout
+    final = watched.stdout.split("handoff ")[-1]
+    assert "status      COMPLETED" in final and "held by     echo-1, worker" in final and "attempt 1" in final
+    assert "result      {'echo': '', 'messages': 0, 'attempt': 1}" in final
+    unknown = cli("status", "req/nothing")
+    assert unknown.exit_code == 1 and "no handoff req/nothing" in unknown.stdout
+    assert cli("status", "no-slash").exit_code == 2
+
+
+# ---------------------------------------------------------------------- pending in flight, dead letters
+
+
+def test_in_flight_entries_and_their_idle_time(cli: Cli) -> None:
+    async def take_one() -> None:
+        async with cli.bus() as bus:
+            await bus.client("req").request_handoff(req("req", "slow-1", request_id="f-1"))
+            await bus.client("req").request_handoff(req("req", "slow-1", request_id="f-2"))
+            _, taken = await Inbox(bus, "slow-1", "worker-9").take(1)
+            assert [d.handoff_id for d in taken] == ["req/f-1"]
+
+    in_loop(take_one)
+    shown = cli.json("pending", "slow-1")
+    assert [p["handoff_id"] for p in shown["queued"]] == ["req/f-2"]
+    [entry] = shown["in_flight"]
+    assert entry["handoff_id"] == "req/f-1" and entry["consumer"] == "worker-9" and entry["deliveries"] == 1
+    text = cli("pending", "slow-1", "--idle", "0")
+    assert "1 in flight, idle >= 0 ms" in text.stdout and "worker-9" in text.stdout and "queued" not in text.stdout
+    assert cli.json("pending", "slow-1", "--idle", "3600000")["in_flight"] == []
+
+
+def test_dead_letters_listed_and_replayed(cli: Cli) -> None:
+    async def poison() -> None:
+        async with cli.bus() as bus:
+            await bus.client("req").request_handoff(req("req", "sick-1", request_id="d-1"))
+            inbox = Inbox(bus, "sick-1", "worker-1")
+            _, [taken] = await inbox.take(1)
+            await inbox.dead_letter(taken, "delivered 6 times; its handling kept stopping workers", 6)
+
+    in_loop(poison)
+    [letter] = cli.json("dlq", "list", "sick-1")
+    assert letter["handoff_id"] == "req/d-1" and letter["deliveries"] == 6 and "kept stopping" in letter["reason"]
+    text = cli("dlq", "list", "sick-1")
+    assert "1 dead letters" in text.stdout and letter["entry_id"] in text.stdout
+    replayed = cli("dlq", "replay", "sick-1", letter["entry_id"])
+    assert replayed.exit_code == 0 and f"replayed {letter['entry_id']} to sick-1" in replayed.stdout
+    assert cli.json("dlq", "list", "sick-1") == []
+    assert [p["handoff_id"] for p in cli.json("pending", "sick-1")["queued"]] == ["req/d-1"]
+    assert cli("dlq", "replay", "sick-1", letter["entry_id"]).exit_code == 1  # gone now
+
+
+# ---------------------------------------------------------------------- agents, top, check
+
+
+def test_agents_lists_the_live_workers(cli: Cli, worker: subprocess.Popen[str]) -> None:
+    found = {a["agent_id"]: a for a in cli.json("agents")}
+    assert set(found) == {"echo-1", "faulty-1"}
+    [echo_worker] = found["echo-1"]["workers"]
+    assert echo_worker["state"] == "RUNNABLE" and echo_worker["limit"] == 8
+    text = cli("agents").stdout
+    assert "2 live agents" in text and "echo-1" in text and "RUNNABLE" in text and "0/8" in text
+
+
+def test_top_shows_backlog_rates_and_latencies(cli: Cli, worker: subprocess.Popen[str]) -> None:
+    for i in range(5):
+        assert cli("request", "echo-1", "--wait", "--reason", f"r{i}").exit_code == 0
+    assert cli("request", "idle-1").exit_code == 0  # no worker: stays queued
+    frames = [json.loads(line) for line in cli("top", "--iterations", "2", "--interval", "1.2", "--json")
+              .stdout.splitlines()]
+    assert len(frames) == 2
+    rows = {row["agent"]: row for row in frames[1]["agents"]}
+    assert {"echo-1", "faulty-1", "idle-1"} <= set(rows)
+    echo, idle = rows["echo-1"], rows["idle-1"]
+    assert (echo["queued"], echo["in_flight"], echo["workers"]) == (0, 0, 1)
+    assert 0 < echo["decision_p50_s"] <= echo["decision_p99_s"] < 5
+    assert 0 < echo["completion_p50_s"] <= echo["completion_p99_s"] < 5
+    assert frames[0]["agents"][0]["rates"] is None and echo["rates"] is not None  # a rate needs two readings
+    assert idle["queued"] == 1 and idle["workers"] == 0 and idle["oldest_waiting_s"] > 0
+    table = cli("top", "--iterations", "1").stdout
+    assert "handoffbus top" in table and "echo-1" in table and "idle-1" in table and "oldest waiting" in table
+
+
+def test_check_for_probes(cli: Cli, worker: subprocess.Popen[str]) -> None:
+    ok = cli("check", "--agent", "echo-1")
+    assert ok.exit_code == 0 and ok.stdout.startswith("ok; echo-1: 1 live workers, 0 queued")
+    assert cli("check").exit_code == 0
+    none = cli("check", "--agent", "ghost-1")
+    assert none.exit_code == 1 and "ghost-1: no live worker" in none.stderr
+    assert cli("request", "echo-1", "--wait").exit_code == 0
+    assert cli("request", "ghost-1").exit_code == 0
+    old = cli("check", "--agent", "ghost-1", "--max-backlog-age", "0", "--json")
+    assert old.exit_code == 1 and json.loads(old.stdout)["ok"] is False
+    assert any("oldest queued handoff waited" in p for p in json.loads(old.stdout)["problems"])
+    down = CliRunner().invoke(app, ["check", "--redis-url", "redis://127.0.0.1:1/0"])
+    assert down.exit_code == 1 and "Redis unavailable" in down.stderr
+
+
+# ---------------------------------------------------------------------- global options and exit codes
+
+
+def test_global_options_environment_and_exit_codes(cli: Cli) -> None:
+    runner = CliRunner()
+    assert runner.invoke(app, ["--redis-url", cli.url, "--prefix", cli.prefix, "request", "g-1"]).exit_code == 0
+    via_env = runner.invoke(app, ["--prefix", cli.prefix, "--json", "pending", "g-1"],
+                            env={"HANDOFFBUS_REDIS_URL": cli.url})
+    assert via_env.exit_code == 0 and len(json.loads(via_env.stdout)["queued"]) == 1
+    via_redis_url = runner.invoke(app, ["pending", "g-1", "--prefix", cli.prefix, "--json"],
+                                  env={"HANDOFFBUS_REDIS_URL": "", "REDIS_URL": cli.url})
+    assert via_redis_url.exit_code == 0 and len(json.loads(via_redis_url.stdout)["queued"]) == 1
+    unset = runner.invoke(app, ["agents"], env={"HANDOFFBUS_REDIS_URL": "", "REDIS_URL": ""})
+    assert unset.exit_code == 2 and "needs a server" in unset.stderr
+    for command in (["agents"], ["status", "a/b"], ["pending", "x-1"], ["request", "x-1"], ["top", "--iterations", "1"],
+                    ["dlq", "list", "x-1"]):
+        down = runner.invoke(app, [*command, "--redis-url", "redis://127.0.0.1:1/0"])
+        assert down.exit_code == 69, (command, down.output)
+        assert "Redis unavailable" in down.stderr
+    assert runner.invoke(app, ["no-such-command"]).exit_code == 2
+    assert runner.invoke(app, ["pending"]).exit_code == 2  # a missing argument
+    assert runner.invoke(app, ["agents", "--prefix", "bad prefix", "--redis-url", cli.url]).exit_code == 2
+
+
+def test_python_dash_m_and_version() -> None:
+    done = subprocess.run([sys.executable, "-m", "handoffbus", "-V"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and done.stdout.startswith("handoffbus ")
+    helped = subprocess.run([sys.executable, "-m", "handoffbus", "--help"], capture_output=True, text=True,
+                            check=False)
+    for command in ("request", "status", "pending", "agents", "dlq", "top", "check", "acl", "worker", "demo"):
+        assert command in helped.stdout
