@@ -46,6 +46,7 @@ STANDALONE_ONLY = {
     "test_acl.py": "ACL users are created on one server (a cluster needs them on every node)",
     "test_isolation.py": "isolated agents connect as ACL users created on one server",
     "test_layout_doc.py": "runs the page's redis-cli lines against one server",
+    "test_monitoring_doc.py": "runs the page's redis-cli lines against one server",
     "test_tls.py": "starts its own TLS or ACL server",
     "test_limits.py::test_a_server_that_may_evict_keys_is_warned_about": "starts its own server",
     "test_worker_recovery.py::test_a_worker_resumes_by_itself_after_the_server_restarts":

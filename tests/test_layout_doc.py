@@ -16,34 +16,35 @@ import shlex
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
-import anyio
 import pytest
 import redis.asyncio as aioredis
-from anyio import run_process
 
-from handoffbus import HandoffBus, HandoffRequest, HandoffStatus
-from handoffbus.forwarding import Forwarder
+from handoffbus import HandoffBus
 from handoffbus.keys import Keys, RecordKeys, RouteKeys, TargetKeys
 from handoffbus.routing import set_id
 from handoffbus.scripts import SCRIPT_NAMES
-from handoffbus.workers.inbox import Inbox
 
 from .conftest import SERVER_BINARIES, start_server
+from .docstate import (
+    PREFIX,
+    REQUESTER,
+    ROUTED_SET,
+    TARGET,
+    build_state,
+    doc_commands,
+    run_with_redis_cli,
+    run_with_redis_py,
+    shows_something,
+)
 
 pytestmark = pytest.mark.anyio
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "redis-layout.md"
-REQUESTER = "general-agent-1"
-TARGET = "security-specialist-1"
-PREFIX = "hb"
 #: Every key suffix handoffbus/keys.py builds (the doc must explain each).
 SUFFIXES = ("h:", "p:", "deadlines", "responses", "queue", "inbox", "inflight", "seq", "bell", "dead",
             "workers", "w:", "agents", "requesters", "targets", "sweep-lease", "route", "rmeta", "rclaims", "rseq",
             "routes", "outbox", "replies", "stats")
-#: the capability set of the doc's routed example
-ROUTED_SET = "code_review,security"
 
 
 # ---------------------------------------------------------------------- reading the doc
@@ -51,25 +52,6 @@ ROUTED_SET = "code_review,security"
 
 def doc_text() -> str:
     return DOC.read_text("utf-8")
-
-
-def doc_commands(text: str) -> list[str]:
-    """Every line starting with ``redis-cli `` inside a fenced code block, in order."""
-    commands: list[str] = []
-    fence: str | None = None
-    for line in text.splitlines():
-        stripped = line.strip()
-        marker = re.match(r"(`{3,}|~{3,})", stripped)
-        if marker:
-            if fence is None:
-                fence = marker[1]
-            elif stripped.startswith(fence) and stripped.strip(fence[0]) == "":
-                fence = None
-            continue
-        if fence is not None and stripped.startswith("redis-cli "):
-            commands.append(stripped)
-    assert fence is None, "unclosed code fence in docs/redis-layout.md"
-    return commands
 
 
 def doc_key_types(text: str) -> dict[str, str]:
@@ -106,112 +88,6 @@ def expected_keys() -> set[str]:
 # ---------------------------------------------------------------------- the state
 
 
-def request(request_id: str, priority: int, reason: str, caps: list[str]) -> HandoffRequest:
-    return HandoffRequest(
-        from_agent=REQUESTER, to_agent=TARGET, reason=reason, request_id=request_id,
-        capabilities_required=caps, priority=priority, timeout=300,
-    )
-
-
-async def build_state(bus: HandoffBus, url: str) -> None:
-    """The state the doc's sample output was captured from (times and stream ids aside)."""
-    requester = bus.client(REQUESTER)
-    specialist = bus.client(TARGET)
-    inbox = Inbox(bus, TARGET, "worker-1")
-
-    # req-42: the doc's running example, queued first; still PENDING and waiting when the doc's commands run
-    await requester.request_handoff(request(
-        "req-42", 5, "Audit the new OAuth callback for token leakage", ["security-review", "oauth"]
-    ))
-
-    # req-41: priority 0 overtakes req-42; taken by worker-1, accepted and completed (terminal, retention TTL)
-    await requester.request_handoff(request("req-41", 0, "Review the dependency lockfile", ["dependency-audit"]))
-    _, taken = await inbox.take(1)
-    assert [d.handoff_id for d in taken] == [f"{REQUESTER}/req-41"]
-    await specialist.accept_handoff(f"{REQUESTER}/req-41")
-    await specialist.complete_handoff(f"{REQUESTER}/req-41", {"verdict": "no known CVEs", "checked": 212})
-
-    # req-43: a better priority overtakes req-42; worker-1 takes it into the inbox (still PENDING)
-    await requester.request_handoff(request("req-43", 1, "Triage a suspicious login spike", ["incident-triage"]))
-    _, taken = await inbox.take(1)
-    assert [d.handoff_id for d in taken] == [f"{REQUESTER}/req-43"]
-
-    # req-44: queued after req-42 but at priority 0, so served before it
-    await requester.request_handoff(request("req-44", 0, "Rotate the leaked staging API key", ["secrets"]))
-
-    # worker-1 registers itself as a live worker of the target (a long time to live, for the doc)
-    await bus.redis.sadd(bus.keys.agents, TARGET)
-    info = b'{"consumer":"worker-1","state":"RUNNABLE","load":1,"limit":8,"capabilities":["oauth"],"ttl_ms":600000}'
-    await bus.script("register", [bus.keys.workers(TARGET), bus.keys.worker_beat(TARGET, "worker-1")],
-                     ["worker-1", info, 600_000])
-
-    # req-40: taken by worker-2, whose handling kept stopping workers: dead-lettered
-    await requester.request_handoff(request("req-40", -1, "Scan an uploaded archive", ["malware-scan"]))
-    crashing = Inbox(bus, TARGET, "worker-2")
-    _, taken = await crashing.take(1)
-    assert [d.handoff_id for d in taken] == [f"{REQUESTER}/req-40"]
-    await crashing.dead_letter(taken[0], "delivered 6 times; its handling kept stopping workers", 6)
-
-    # req-45 and req-46: routed by capabilities (no to_agent); no live agent has both, so they
-    # wait in the set's route queue; a worker of another agent pulled req-45 and holds its claim
-    for rid in ("req-45", "req-46"):
-        await requester.request_handoff(HandoffRequest(
-            from_agent=REQUESTER, to_agent="", reason="Review a routed change", request_id=rid,
-            capabilities_required=["security", "code_review"], priority=2, timeout=300,
-        ))
-    route = bus.keys.route(set_id(ROUTED_SET))
-    pulled = await bus.script("pull", route.as_list(), ["review-bot-1", 1, 600_000, 64])
-    assert [h.decode() for h in pulled[2:]] == [f"{REQUESTER}/req-45"]
-
-    # the target also runs isolated (forwarding.py): one read of req-42 through the forwarder
-    # leaves its outbox (answered, so empty) and its replies stream (one reply)
-    async with anyio.create_task_group() as tg:
-        await tg.start(Forwarder(bus, [TARGET]).run)
-        async with HandoffBus.connect(url, isolated=TARGET) as isolated:
-            row = await isolated.script("load", [bus.keys.record(REQUESTER, "req-42").record], [])
-            assert row[0] == b"PENDING"
-        tg.cancel_scope.cancel()
-
-    await bus.stats.flush()  # req-41's acceptance and completion, counted for the target
-
-    record = await requester.get_handoff_status(f"{REQUESTER}/req-42")
-    assert record is not None and record.status is HandoffStatus.PENDING
-    queued = [p.handoff_id for p in await specialist.get_pending_handoffs()]
-    assert queued == [f"{REQUESTER}/req-44", f"{REQUESTER}/req-42"]
-
-
-# ---------------------------------------------------------------------- running commands
-
-
-def shows_something(result: Any, command: str) -> bool:
-    """False for what redis answers when there is nothing to show (a missing key, an empty range)."""
-    if command in ("TTL", "PTTL"):
-        return bool(result != -2)  # -2: no such key; -1: a key without TTL, which is worth showing
-    if command == "TYPE":
-        return bool(result != b"none")
-    if isinstance(result, list):
-        return any(shows_something(item, "") for item in result)
-    return result not in (None, b"", 0)
-
-
-async def run_with_redis_py(bus: HandoffBus, raw: aioredis.Redis, argv: list[str]) -> Any:
-    """Run a redis-cli command line through redis-py; replies come back as the server sent them."""
-    if argv[0] == "--scan":
-        options = dict(zip(argv[1::2], argv[2::2], strict=True))
-        assert set(options) <= {"--pattern", "--count"}, f"unsupported redis-cli options {argv}"
-        return [key async for key in bus.redis.scan_iter(match=options.get("--pattern"), count=options.get("--count"))]
-    assert not argv[0].startswith("-"), f"doc commands take no redis-cli option but --scan: {argv}"
-    return await raw.execute_command(*argv)  # type: ignore[no-untyped-call]
-
-
-async def run_with_redis_cli(cli: str, socket_path: Path, argv: list[str]) -> str:
-    """Run the command line with the real redis-cli (``-s`` socket); fail on any error reply."""
-    done = await run_process([cli, "-s", str(socket_path), "--no-raw", *argv], check=False)
-    out, err = done.stdout.decode(), done.stderr.decode()
-    assert done.returncode == 0 and not err.strip(), f"{argv}: exit {done.returncode}: {err}{out}"
-    assert "(error)" not in out and not out.startswith("ERR"), f"{argv}: {out}"
-    assert out.strip() not in ("", "(nil)", "(empty array)", "(integer) 0", '"none"', "none"), f"{argv}: {out}"
-    return out
 
 
 @pytest.fixture
