@@ -168,6 +168,8 @@ class HandoffClient:
                 await bus.script("withdraw", keys.as_list(), [request.request_id])
             raise_for_code(QUEUE_FULL, handoff_id, self.agent_id, "request", request.to_agent.encode())
         status = HandoffStatus(reply[1].decode()) if code >= 0 else None
+        if code == 1:  # a new handoff ("" for a routed one: counted by listeners, not in Redis)
+            bus.tally.add(request.to_agent, "requested")
         if request.to_agent and replies[1] == 1 and status is not HandoffStatus.PENDING and bus.isolated is None:
             # a refused or resubmitted-after-decision request: take back the queue entry this
             # call added (the queue only: an in-flight entry belongs to the worker handling it)

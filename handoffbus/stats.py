@@ -9,10 +9,11 @@ and readers (``handoffbus top``, ``check``, the metrics exporter) turn the diffe
 between two readings into rates and quantiles. A process that dies loses at most its last
 second of counts.
 
-Fields (all integers): ``ACCEPTED``, ``REJECTED``, ``COMPLETED``, ``FAILED``, ``EXPIRED``,
-``redelivered``; ``decision:<i>`` and ``duration:<i>``, the number of decisions and of
-outcomes whose time since the request fell in bucket ``i`` of ``BUCKETS`` (the last one is
-"longer"); ``decision:sum_ms`` and ``duration:sum_ms``.
+Fields (all integers): ``requested`` (direct requests made to the agent), ``ACCEPTED``,
+``REJECTED``, ``COMPLETED``, ``FAILED``, ``EXPIRED``, ``redelivered``; ``decision:<i>`` and
+``duration:<i>``, the number of decisions and of outcomes whose time since the request fell
+in bucket ``i`` of ``BUCKETS`` (the last one is "longer"); ``decision:sum_ms`` and
+``duration:sum_ms``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import bisect
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import msgspec
@@ -34,7 +35,7 @@ from .models import HandoffStatus
 if TYPE_CHECKING:
     from .bus import HandoffBus
 
-__all__ = ["BUCKETS", "AgentCounts", "StatsFlusher", "Tally", "quantile"]
+__all__ = ["BUCKETS", "AgentCounts", "StatsFlusher", "Tally", "TallyListener", "quantile"]
 
 log = logging.getLogger("handoffbus")
 
@@ -50,25 +51,38 @@ def bucket_of(seconds: float) -> int:
     return bisect.bisect_left(BUCKETS, seconds)
 
 
+class TallyListener(Protocol):
+    """Told of every count as it is made (the Prometheus exporter is one)."""
+
+    def counted(self, agent: str, field: str, n: int) -> None: ...
+
+    def timed(self, agent: str, kind: str, seconds: float) -> None: ...
+
+
 class Tally:
-    """Increments not yet added to Redis, by agent."""
+    """Increments not yet added to Redis, by agent; listeners hear of each as it is made."""
 
     def __init__(self) -> None:
         self._pending: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        self.listeners: list[TallyListener] = []
 
     def transition(self, agent: str, status: HandoffStatus, created_ms: int = 0, at_ms: int = 0) -> None:
         """``agent`` made a transition; with the request's creation time, its latency too."""
-        counts = self._pending[agent]
         if status.value in COUNTED:
-            counts[status.value] += 1
+            self.add(agent, status.value)
         if created_ms and at_ms >= created_ms:
             kind = "decision" if status in DECISIONS else "duration" if status in OUTCOMES else None
             if kind is not None:
+                counts = self._pending[agent]
                 counts[f"{kind}:{bucket_of((at_ms - created_ms) / 1000)}"] += 1
                 counts[f"{kind}:sum_ms"] += at_ms - created_ms
+                for listener in self.listeners:
+                    listener.timed(agent, kind, (at_ms - created_ms) / 1000)
 
     def add(self, agent: str, field: str, n: int = 1) -> None:
         self._pending[agent][field] += n
+        for listener in self.listeners:
+            listener.counted(agent, field, n)
 
     def take(self) -> dict[str, Counter[str]]:
         """The pending increments, leaving none."""
@@ -94,7 +108,7 @@ class AgentCounts(msgspec.Struct, frozen=True, kw_only=True):
     def parse(cls, flat: Mapping[Any, Any]) -> AgentCounts:
         fields = {(k.decode() if isinstance(k, bytes) else str(k)): int(v) for k, v in flat.items()}
         return cls(
-            counts={name: fields.get(name, 0) for name in (*COUNTED, "redelivered")},
+            counts={name: fields.get(name, 0) for name in ("requested", *COUNTED, "redelivered")},
             decision=tuple(fields.get(f"decision:{i}", 0) for i in range(len(BUCKETS) + 1)),
             duration=tuple(fields.get(f"duration:{i}", 0) for i in range(len(BUCKETS) + 1)),
             decision_sum_ms=fields.get("decision:sum_ms", 0),
@@ -146,7 +160,7 @@ class StatsFlusher:
         bus = self._bus
         pending = bus.tally.take()
         # an isolated agent's user reaches its own slot only: what it counted for others is dropped
-        agents = [agent for agent, counts in pending.items() if counts and bus.isolated in (None, agent)]
+        agents = [agent for agent, counts in pending.items() if agent and counts and bus.isolated in (None, agent)]
         if not agents:
             return
         calls: list[tuple[str, list[str], list[Any]]] = []

@@ -8,17 +8,22 @@ import logging
 import os
 import signal
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import anyio
 import typer
+from redis.exceptions import RedisError
 
 from ..bus import HandoffBus
+from ..errors import HandoffbusError
 from ..workers import Agent, Worker
 from ..workers.runner import serve_until_signalled
 from .common import EXIT_FAILED, EXIT_OK, Options, Prefix, RedisUrl, open_bus, options, run, usage_error
 
 __all__ = ["register"]
+
+#: seconds between reads of the gauges a worker's metrics server reports
+METRICS_REFRESH = 2.0
 
 
 def register(app: typer.Typer) -> None:
@@ -53,6 +58,9 @@ def worker(
         help="seconds after which work left idle by a dead worker is taken over")] = 30.0,
     offer_time: Annotated[float, typer.Option(
         help="seconds these agents have to decide a routed offer before it goes to another agent")] = 30.0,
+    metrics_port: Annotated[int | None, typer.Option(
+        help="serve Prometheus metrics on this port (needs the 'metrics' extra)")] = None,
+    metrics_address: Annotated[str, typer.Option(help="address the metrics server listens on")] = "0.0.0.0",
     isolated: Annotated[bool, typer.Option(
         "--isolated",
         help="connect as the agent's own ACL user (see 'acl'); a forwarder carries its handoffs")] = False,
@@ -68,21 +76,47 @@ def worker(
         usage_error("--concurrency must be at least 1")
     _logging()
     instances = [agent_class() for agent_class in classes]
+    registry = None
+    if metrics_port is not None:
+        from ..metrics import serve_metrics
+
+        try:
+            registry = serve_metrics(metrics_port, metrics_address)
+        except (HandoffbusError, OSError) as exc:
+            usage_error(f"cannot serve metrics on {metrics_address}:{metrics_port}: {exc}")
     run(_worker, opts, url, instances, concurrency, grace, reclaim_idle, offer_time,
-        instances[0].agent_id if isolated else None)
+        instances[0].agent_id if isolated else None, registry)
 
 
 async def _worker(opts: Options, url: str, agents: list[Agent], concurrency: int, grace: float,
-                  reclaim_idle: float, offer_time: float, isolated: str | None) -> int:
+                  reclaim_idle: float, offer_time: float, isolated: str | None, registry: Any) -> int:
     async with HandoffBus.connect(url, prefix=opts.prefix, offer_time=offer_time, isolated=isolated) as bus:
         workers = [Worker(bus, agent, concurrency=concurrency, grace=grace, reclaim_idle=reclaim_idle)
                    for agent in agents]
         for w in workers:
             print(f"worker {w.consumer} serving {w.agent.agent_id}", flush=True)
-        await serve_until_signalled(workers)
+        async with anyio.create_task_group() as tg:
+            if registry is not None:
+                tg.start_soon(_refresh_metrics, bus, registry, workers)
+            await serve_until_signalled(workers)
+            tg.cancel_scope.cancel()
         for w in workers:
             print(f"worker {w.consumer} drained: {dict(w.handled)}", flush=True)
     return EXIT_OK
+
+
+async def _refresh_metrics(bus: HandoffBus, registry: Any, workers: list[Worker]) -> None:
+    """Keep the gauges of the served agents fresh (the counters count as things happen)."""
+    from ..metrics import Metrics
+
+    metrics = Metrics(bus, registry)
+    agents = sorted({w.agent.agent_id for w in workers})
+    while True:
+        try:
+            await metrics.refresh(agents, workers)
+        except (RedisError, OSError, HandoffbusError) as exc:
+            logging.getLogger("handoffbus").warning("metrics refresh failed (%s)", exc)
+        await anyio.sleep(METRICS_REFRESH)  # a timer
 
 
 def forwarder(

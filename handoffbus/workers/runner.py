@@ -107,6 +107,8 @@ class Worker:
         #: DRAINING once stopping. The agent's own ``state`` is the agent's to set; a handoff
         #: the worker fetched always has a free slot, so it is never refused for being busy.
         self.state = AgentState.RUNNABLE
+        #: Redis time (ms) of this worker's last registry heartbeat (0 before the first)
+        self.last_beat_ms = 0
 
     # ------------------------------------------------------------------ control
 
@@ -186,10 +188,12 @@ class Worker:
             "capabilities": sorted(set(self.agent.capabilities)), "started_ms": self._started_ms,
             "ttl_ms": ttl_ms,
         })
-        await self.bus.script(
+        beat = await self.bus.script(
             "register", [keys.workers(self.agent.agent_id), keys.worker_beat(self.agent.agent_id, self.consumer)],
             [self.consumer, info, ttl_ms],
         )
+        if not leave:
+            self.last_beat_ms = int(beat)
 
     async def _leave(self) -> None:
         try:

@@ -1,0 +1,120 @@
+"""Prometheus metrics (the optional extra ``metrics``: ``pip install 'handoffbus[metrics]'``).
+
+``Metrics(bus)`` listens to the bus's tally, so every request, decision, outcome, expiry
+and redelivery this process makes is counted as it happens. The gauges (queue depth, in
+flight, oldest waiting age, last heartbeat) describe shared state: ``refresh`` reads them
+from Redis for the agents this process serves. ``handoffbus worker --metrics-port`` serves
+them over HTTP.
+
+Labels are agent ids and statuses only, never handoff ids. Counters are per process:
+Prometheus sums them over processes. Every process serving an agent reports the same gauge
+values, so alert rules take their ``max``. With ``PROMETHEUS_MULTIPROC_DIR`` set (several
+processes sharing one exporter), prometheus_client's multiprocess mode is used, and gauges
+keep the largest value.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .errors import HandoffbusError
+from .monitor import observe_agents
+from .stats import BUCKETS
+
+if TYPE_CHECKING:
+    from .bus import HandoffBus
+    from .workers import Worker
+
+__all__ = ["Metrics", "serve_metrics"]
+
+prom: Any
+try:
+    import prometheus_client as prom
+except ImportError:  # pragma: no cover - the extra is not installed
+    prom = None
+
+#: statuses a handoff ends in, counted by handoffbus_handoffs_finished_total
+FINISHED = ("REJECTED", "COMPLETED", "FAILED", "EXPIRED", "CANCELLED")
+
+
+def _require() -> Any:
+    if prom is None:
+        raise HandoffbusError("metrics need prometheus-client: pip install 'handoffbus[metrics]'")
+    return prom
+
+
+class Metrics:
+    """The bus's metrics in ``registry`` (default: prometheus_client's global one)."""
+
+    def __init__(self, bus: HandoffBus, registry: Any = None) -> None:
+        p = _require()
+        registry = registry if registry is not None else p.REGISTRY
+        self._bus = bus
+        self.requested = p.Counter("handoffbus_handoffs_requested", "Handoffs requested by this process, by target "
+                                   "agent ('' for capability-routed)", ["agent"], registry=registry)
+        self.finished = p.Counter("handoffbus_handoffs_finished", "Handoffs this process decided or ended, by the "
+                                  "agent and the final status", ["agent", "status"], registry=registry)
+        self.accepted = p.Counter("handoffbus_handoffs_accepted", "Handoffs accepted by agents of this process",
+                                  ["agent"], registry=registry)
+        self.redeliveries = p.Counter("handoffbus_redeliveries", "Handoffs taken over from a dead or frozen worker",
+                                      ["agent"], registry=registry)
+        self.decision = p.Histogram("handoffbus_decision_seconds", "Time from request to acceptance or rejection",
+                                    ["agent"], buckets=BUCKETS, registry=registry)
+        self.duration = p.Histogram("handoffbus_handoff_duration_seconds", "Time from request to completion or "
+                                    "failure", ["agent"], buckets=BUCKETS, registry=registry)
+        gauge: dict[str, Any] = {"registry": registry, "multiprocess_mode": "max"}
+        self.queue_depth = p.Gauge("handoffbus_queue_depth", "Handoffs queued for the agent", ["agent"], **gauge)
+        self.inflight = p.Gauge("handoffbus_inflight", "Handoffs in the agent's workers' hands", ["agent"], **gauge)
+        self.oldest_waiting = p.Gauge("handoffbus_oldest_waiting_age_seconds", "How long the agent's oldest queued "
+                                      "handoff has waited since it was requested (0: none)", ["agent"], **gauge)
+        self.oldest_inflight = p.Gauge("handoffbus_oldest_inflight_age_seconds", "How long since the oldest "
+                                       "handoff in flight was taken by a worker (0: none)", ["agent"], **gauge)
+        self.live_workers = p.Gauge("handoffbus_live_workers", "Live worker processes of the agent", ["agent"],
+                                    **gauge)
+        self.heartbeat = p.Gauge("handoffbus_worker_heartbeat_timestamp_seconds", "Redis time of the last "
+                                 "registry heartbeat of this process's worker of the agent", ["agent"], **gauge)
+        bus.tally.listeners.append(self)
+
+    # the tally's listener interface
+    def counted(self, agent: str, field: str, n: int) -> None:
+        if field == "requested":
+            self.requested.labels(agent).inc(n)
+        elif field == "redelivered":
+            self.redeliveries.labels(agent).inc(n)
+        elif field == "ACCEPTED":
+            self.accepted.labels(agent).inc(n)
+        elif field in FINISHED:
+            self.finished.labels(agent, field).inc(n)
+
+    def timed(self, agent: str, kind: str, seconds: float) -> None:
+        (self.decision if kind == "decision" else self.duration).labels(agent).observe(seconds)
+
+    async def refresh(self, agents: Sequence[str], workers: Sequence[Worker] = ()) -> None:
+        """Set the gauges of ``agents`` from Redis (and the heartbeats of ``workers``)."""
+        for view in await observe_agents(self._bus, agents):
+            self.queue_depth.labels(view.agent_id).set(view.queued)
+            self.inflight.labels(view.agent_id).set(view.in_flight)
+            self.oldest_waiting.labels(view.agent_id).set(view.oldest_waiting_s or 0)
+            self.oldest_inflight.labels(view.agent_id).set(view.oldest_in_flight_s or 0)
+            self.live_workers.labels(view.agent_id).set(view.workers)
+        for worker in workers:
+            if worker.last_beat_ms:
+                self.heartbeat.labels(worker.agent.agent_id).set(worker.last_beat_ms / 1000)
+
+
+def serve_metrics(port: int, address: str = "0.0.0.0") -> Any:
+    """Serve the metrics over HTTP (a daemon thread); in multiprocess mode, every process's.
+    Returns the registry to create ``Metrics`` in."""
+    p = _require()
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        registry = p.CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        p.start_http_server(port, addr=address, registry=registry)
+        return p.REGISTRY  # each process writes its own files; the collector merges them
+    registry = p.CollectorRegistry()
+    p.start_http_server(port, addr=address, registry=registry)
+    return registry

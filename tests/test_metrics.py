@@ -1,0 +1,120 @@
+"""Prometheus metrics: counted as things happen in-process, and scraped from a real
+``handoffbus worker --metrics-port`` process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import urllib.request
+from typing import Any
+
+import anyio
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from handoffbus import HandoffBus
+from handoffbus.metrics import Metrics
+
+from .agents import Echo, Faulty
+from .conftest import make_bus
+from .helpers import ROOT, req, serving
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_counters_and_histograms_follow_what_happens(real_backend: str, servers: dict) -> None:
+    async with make_bus(real_backend, servers) as bus:
+        registry = CollectorRegistry()
+        metrics = Metrics(bus, registry)
+        client = bus.client("req")
+        handles = [await client.request_handoff(req("req", "echo-1")) for _ in range(4)]
+        handles += [await client.request_handoff(req("req", "faulty-1"))]
+        handles += [await client.request_handoff(req("req", "nobody-1", timeout=0.2))]
+        async with serving(bus, Echo(), Faulty()) as workers:
+            with anyio.fail_after(20):
+                for handle in handles:
+                    await handle.outcome()
+        await metrics.refresh(["echo-1", "nobody-1"], workers)  # drained: everything settled
+
+    def value(name: str, **labels: str) -> float | None:
+        found: float | None = registry.get_sample_value(name, labels)
+        return found
+
+    assert value("handoffbus_handoffs_requested_total", agent="echo-1") == 4
+    assert value("handoffbus_handoffs_finished_total", agent="echo-1", status="COMPLETED") == 4
+    assert value("handoffbus_handoffs_finished_total", agent="faulty-1", status="FAILED") == 1
+    assert value("handoffbus_handoffs_finished_total", agent="nobody-1", status="EXPIRED") == 1
+    assert value("handoffbus_handoffs_accepted_total", agent="echo-1") == 4
+    assert value("handoffbus_decision_seconds_count", agent="echo-1") == 4
+    assert value("handoffbus_handoff_duration_seconds_count", agent="echo-1") == 4
+    assert value("handoffbus_decision_seconds_bucket", agent="echo-1", le="+Inf") == 4
+    assert value("handoffbus_queue_depth", agent="echo-1") == 0
+    assert value("handoffbus_inflight", agent="echo-1") == 0
+    assert (value("handoffbus_worker_heartbeat_timestamp_seconds", agent="echo-1") or 0) > 1.7e9
+    # no handoff ids among the labels
+    for family in registry.collect():
+        for sample in family.samples:
+            assert set(sample.labels) <= {"agent", "status", "le"}, sample
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def test_a_worker_process_serves_its_metrics(servers: dict) -> None:
+    server = servers["valkey"]
+    port = _free_port()
+    async with make_bus("valkey", servers) as bus:
+        process = await anyio.open_process(
+            [sys.executable, "-m", "handoffbus", "worker", "tests.agents:Echo", "--redis-url", server.url,
+             "--prefix", bus.config.prefix, "--metrics-port", str(port), "--metrics-address", "127.0.0.1"],
+            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            assert process.stdout is not None
+            with anyio.fail_after(30):
+                assert b"serving" in await process.stdout.receive()
+            client = bus.client("req")
+            handles = [await client.request_handoff(req("req", "echo-1")) for _ in range(3)]
+            with anyio.fail_after(20):
+                for handle in handles:
+                    await handle.outcome()
+            await client.request_handoff(req("req", "echo-1", priority=5))  # one more, not awaited here
+            # the gauges are read from Redis every 2 s: scrape until a refresh has shown the work
+            scraped: dict[Any, float] = {}
+            with anyio.fail_after(20):
+                while scraped.get(("handoffbus_handoffs_finished_total",
+                                   (("agent", "echo-1"), ("status", "COMPLETED")))) != 4 or \
+                        not scraped.get(("handoffbus_worker_heartbeat_timestamp_seconds", (("agent", "echo-1"),))):
+                    await anyio.sleep(0.2)  # polling another process's HTTP endpoint
+                    scraped = await anyio.to_thread.run_sync(_scrape, port)
+        finally:
+            process.terminate()
+            with anyio.fail_after(30):
+                assert await process.wait() == 0
+            await process.aclose()
+    assert scraped[("handoffbus_decision_seconds_count", (("agent", "echo-1"),))] == 4
+    assert scraped[("handoffbus_handoff_duration_seconds_count", (("agent", "echo-1"),))] == 4
+    assert ("handoffbus_queue_depth", (("agent", "echo-1"),)) in scraped
+    assert scraped[("handoffbus_live_workers", (("agent", "echo-1"),))] == 1
+
+
+async def test_metrics_without_the_extra_say_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import handoffbus.metrics as module
+    from handoffbus import HandoffbusError
+
+    monkeypatch.setattr(module, "prom", None)
+    async with HandoffBus.memory() as bus:
+        with pytest.raises(HandoffbusError, match=r"pip install 'handoffbus\[metrics\]'"):
+            Metrics(bus)
