@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from . import errors
+from . import errors, tracing
 from .config import MAX_PRIORITY
 from .errors import QUEUE_FULL, DecodeError, EncodeError, InvalidRequest, NotPermitted, raise_for_code
 from .handle import HandoffHandle
@@ -26,7 +26,7 @@ from .models import (
 )
 from .names import check_name, check_names, join_handoff_id, split_handoff_id
 from .records import response_from_reply
-from .routing import Directory, Reroute, capability_set, refusal_response
+from .routing import Directory, Reroute, capability_set, refusal_response, set_id
 from .signing import response_body
 from .waiters import Waiter
 
@@ -52,7 +52,11 @@ def rejection_fields(
 
 
 def request_fingerprint(request: HandoffRequest) -> bytes:
-    """A digest of the request's content, the same whatever codec, compression or key order."""
+    """A digest of the request's content, the same whatever codec, compression or key order,
+    and whatever trace the request was sent from (the trace context is not its content)."""
+    if any(key in request.metadata for key in tracing.TRACE_KEYS):
+        request = msgspec.structs.replace(
+            request, metadata={k: v for k, v in request.metadata.items() if k not in tracing.TRACE_KEYS})
     try:
         body = _canonical.encode(request)
     except (TypeError, ValueError, OverflowError, RecursionError) as exc:  # e.g. a dict key that is not text
@@ -128,6 +132,16 @@ class HandoffClient:
         request = self._normalize(request)
         if not request.to_agent and fail_fast and self._bus.isolated is not None:
             raise InvalidRequest("fail_fast needs the live agents, which an isolated agent cannot read")
+        keys = self._bus.keys
+        destination = (keys.target(request.to_agent).inbox if request.to_agent
+                       else keys.route(set_id(capability_set(request.capabilities_required))).queue)
+        with tracing.send_span(destination, join_handoff_id(self.agent_id, request.request_id)):
+            traced = tracing.with_trace_context(request.metadata)
+            if traced != request.metadata:
+                request = msgspec.structs.replace(request, metadata=traced)
+            return await self._request(request, fail_fast)
+
+    async def _request(self, request: HandoffRequest, fail_fast: bool) -> HandoffHandle:
         envelope = self._bus.codec.dumps(request)
         fingerprint = request_fingerprint(request)
         bus = self._bus

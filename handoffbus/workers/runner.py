@@ -24,6 +24,7 @@ import msgspec
 from anyio.abc import TaskStatus
 from redis.exceptions import RedisError, ResponseError
 
+from .. import tracing
 from ..backoff import Backoff
 from ..client import rejection_fields
 from ..errors import InvalidRequest, InvalidTransition, LeaseLost, NotPermitted, raise_for_code
@@ -363,16 +364,20 @@ class Worker:
                 log.error("%s: dead-lettered %s: %s", self.consumer, hid, poison)
                 after = "dead"
                 return
-            if row.status is HandoffStatus.ACCEPTED:
-                # accepted by a worker of this agent that stopped: carry on from there
-                attempt = await self._take_over(hid)
-                after = "keep pending"
-                status = await self._work(hid, row.request, attempt, row.created_ms)
-            else:
-                after = "give back"  # nothing sent yet: a stop now hands it back to the queue
-                decision = await self._decide(hid, row.request)
-                after = "keep pending"  # from here a stop leaves it pending, to be reclaimed
-                status = await self._act(hid, row.request, decision, row.created_ms)
+            metadata = row.request.metadata
+            with tracing.consumer_span("receive", self._inbox_key, hid, metadata, GROUP, self.consumer):
+                pass  # the delivery itself: the requester's trace reaches this worker
+            with tracing.consumer_span("process", self._inbox_key, hid, metadata, GROUP, self.consumer):
+                if row.status is HandoffStatus.ACCEPTED:
+                    # accepted by a worker of this agent that stopped: carry on from there
+                    attempt = await self._take_over(hid)
+                    after = "keep pending"
+                    status = await self._work(hid, row.request, attempt, row.created_ms)
+                else:
+                    after = "give back"  # nothing sent yet: a stop now hands it back to the queue
+                    decision = await self._decide(hid, row.request)
+                    after = "keep pending"  # from here a stop leaves it pending, to be reclaimed
+                    status = await self._act(hid, row.request, decision, row.created_ms)
             self.handled[status] = self.handled.get(status, 0) + 1
             after = "settle"
         except LeaseLost:
@@ -426,7 +431,8 @@ class Worker:
         if isinstance(decision, Reject):
             fields = rejection_fields(decision.reason, decision.code, decision.retry_after_ms, decision.redirect_to)
             # a routed handoff refused goes on to another agent: it stays PENDING
-            return (await client._transition("reject", hid, fields, settle=False, created_ms=created_ms)).status
+            with tracing.settle_span(self._inbox_key, hid, "REJECTED"):
+                return (await client._transition("reject", hid, fields, settle=False, created_ms=created_ms)).status
         meta = codec.dumps_value(decision.metadata) if decision.metadata else None
         await client._transition("accept", hid, {"rmeta": meta, "lease": self.consumer}, settle=False,
                                  created_ms=created_ms)
@@ -450,8 +456,9 @@ class Worker:
                 if not policy.should_retry(attempt, exc):
                     log.exception("%s: handler failed for %s (attempt %d)", self.consumer, hid, attempt)
                     error = f"{type(exc).__name__}: {exc}"
-                    await client._transition("fail", hid, {"error": error, "lease": self.consumer}, settle=False,
-                                             created_ms=created_ms)
+                    with tracing.settle_span(self._inbox_key, hid, "FAILED"):
+                        await client._transition("fail", hid, {"error": error, "lease": self.consumer},
+                                                 settle=False, created_ms=created_ms)
                     return HandoffStatus.FAILED
                 delay = policy.delay_before(attempt)
                 log.warning("%s: handler failed for %s (attempt %d: %s); retrying in %.2fs",
@@ -459,8 +466,9 @@ class Worker:
             await anyio.sleep(delay)  # the retry backoff (a stop meanwhile leaves it pending)
             attempt = await self._take_over(hid, retry=True)
         packed = None if result is None else codec.dumps_value(result)
-        await client._transition("complete", hid, {"result": packed, "lease": self.consumer}, settle=False,
-                                 created_ms=created_ms)
+        with tracing.settle_span(self._inbox_key, hid, "COMPLETED"):
+            await client._transition("complete", hid, {"result": packed, "lease": self.consumer}, settle=False,
+                                     created_ms=created_ms)
         return HandoffStatus.COMPLETED
 
     async def _renew(self, hid: str) -> None:

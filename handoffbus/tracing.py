@@ -1,0 +1,98 @@
+"""OpenTelemetry tracing (the optional extra ``otel``: ``pip install 'handoffbus[otel]'``).
+
+Spans follow the messaging semantic conventions, with ``messaging.system`` = ``redis``:
+- **send** (PRODUCER), in the requester: the request is written. The destination is the
+  target's inbox stream, or the capability set's queue for a routed request.
+- **receive** (CONSUMER), in the worker: the handoff is delivered to it.
+- **process** (CONSUMER), in the worker: the acceptance hook and the work hook run.
+- **settle** (CLIENT), in the worker: the outcome is written.
+
+The requester's W3C ``traceparent`` (and ``tracestate``) travel in the request's metadata.
+The worker's spans are children of the requester's send span, so one trace covers the
+handoff across processes.
+
+Trace keys are left out of the request's fingerprint, so a resubmission from another
+trace is still the same request. Without opentelemetry-api installed, or with no SDK
+configured, every function here does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+__all__ = ["TRACE_KEYS", "consumer_span", "send_span", "settle_span", "with_trace_context"]
+
+#: metadata keys that carry the trace context (not part of a request's identity)
+TRACE_KEYS = ("traceparent", "tracestate")
+
+trace: Any
+try:
+    from opentelemetry import propagate, trace
+    from opentelemetry.trace import SpanKind
+except ImportError:  # pragma: no cover - the extra is not installed
+    trace = None
+
+
+def _attributes(operation: str, destination: str, handoff_id: str, **more: Any) -> dict[str, Any]:
+    attributes = {
+        "messaging.system": "redis",
+        "messaging.operation.type": operation,
+        "messaging.operation.name": operation,
+        "messaging.destination.name": destination,
+        "messaging.message.id": handoff_id,
+    }
+    attributes.update({k: v for k, v in more.items() if v is not None})
+    return attributes
+
+
+@contextlib.contextmanager
+def send_span(destination: str, handoff_id: str) -> Iterator[None]:
+    """The requester's send span, current while the request is built and written."""
+    if trace is None:
+        yield
+        return
+    tracer = trace.get_tracer("handoffbus")
+    with tracer.start_as_current_span(f"send {destination}", kind=SpanKind.PRODUCER,
+                                      attributes=_attributes("send", destination, handoff_id)):
+        yield
+
+
+def with_trace_context(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """``metadata`` plus the current trace context (unchanged when no span is recording)."""
+    if trace is None:
+        return dict(metadata)
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return {**metadata, **{k: v for k, v in carrier.items() if k in TRACE_KEYS}}
+
+
+@contextlib.contextmanager
+def consumer_span(operation: str, destination: str, handoff_id: str, metadata: Mapping[str, Any],
+                  group: str, consumer: str) -> Iterator[None]:
+    """A worker's receive or process span: a child of the requester's span, when the request
+    carried one."""
+    if trace is None:
+        yield
+        return
+    carrier = {k: str(metadata[k]) for k in TRACE_KEYS if isinstance(metadata.get(k), str)}
+    parent = propagate.extract(carrier) if carrier else None
+    tracer = trace.get_tracer("handoffbus")
+    attributes = _attributes(operation, destination, handoff_id, **{
+        "messaging.consumer.group.name": group, "messaging.client.id": consumer})
+    with tracer.start_as_current_span(f"{operation} {destination}", context=parent, kind=SpanKind.CONSUMER,
+                                      attributes=attributes):
+        yield
+
+
+@contextlib.contextmanager
+def settle_span(destination: str, handoff_id: str, status: str) -> Iterator[None]:
+    """The worker writing the outcome (a child of the current process span)."""
+    if trace is None:
+        yield
+        return
+    tracer = trace.get_tracer("handoffbus")
+    with tracer.start_as_current_span(f"settle {destination}", kind=SpanKind.CLIENT, attributes=_attributes(
+            "settle", destination, handoff_id, **{"handoffbus.status": status})):
+        yield
