@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import logging
-
+from . import logs as logs  # first: the logger's NullHandler and record defaults
 from .bus import HandoffBus as HandoffBus
 from .client import HandoffClient as HandoffClient
 from .codecs import PayloadCodec as PayloadCodec
@@ -113,4 +112,3 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-logging.getLogger("handoffbus").addHandler(logging.NullHandler())

@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 
 from ..bus import HandoffBus
 from ..errors import HandoffbusError
+from ..logs import FORMAT
 from ..workers import Agent, Worker
 from ..workers.runner import serve_until_signalled
 from .common import EXIT_FAILED, EXIT_OK, Options, Prefix, RedisUrl, open_bus, options, run, usage_error
@@ -34,7 +35,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=FORMAT)
 
 
 def load_agent_class(spec: str) -> type[Agent]:

@@ -29,6 +29,7 @@ from ..backoff import Backoff
 from ..client import rejection_fields
 from ..errors import InvalidRequest, InvalidTransition, LeaseLost, NotPermitted, raise_for_code
 from ..keys import GROUP
+from ..logs import AgentLog
 from ..models import TERMINAL, HandoffRequest, HandoffStatus
 from ..names import check_names, split_handoff_id
 from ..records import Loaded
@@ -76,6 +77,7 @@ class Worker:
         check_names(agent.capabilities, "capability")  # they go into the registry and routing as they are
         self.bus = bus
         self.agent = agent
+        self._log = AgentLog(agent.agent_id)
         self.concurrency = concurrency
         self.consumer = consumer or default_consumer_name()
         self.grace = grace
@@ -162,7 +164,8 @@ class Worker:
             try:
                 await self._inbox.take(0, settle=done)
             except (RedisError, OSError) as exc:
-                log.warning("%s: could not settle %d handoffs (%s); they stay pending", self.consumer, len(done), exc)
+                self._log.warning("%s: could not settle %d handoffs (%s); they stay pending",
+                                  self.consumer, len(done), exc)
 
     async def _hand_back(self) -> None:
         """Re-queue handoffs stopped while their acceptance hook ran: others take them now."""
@@ -171,7 +174,8 @@ class Worker:
                 await self._inbox.settle([hid])
                 await self.bus.enqueue(self.agent.agent_id, hid, priority)
             except (RedisError, OSError) as exc:
-                log.warning("%s: could not hand %s back (%s); it stays pending", self.consumer, hid, exc)
+                self._log.warning("%s: could not hand %s back (%s); it stays pending", self.consumer, hid, exc,
+                                  extra={"handoff_id": hid})
         self._give_back.clear()
 
     async def _join(self) -> None:
@@ -200,7 +204,7 @@ class Worker:
         try:
             await self._register(leave=True)
         except Exception as exc:  # the bus may be closing: the entry then ages out by its TTL
-            log.info("%s: could not deregister (%s)", self.consumer, exc)
+            self._log.info("%s: could not deregister (%s)", self.consumer, exc)
 
     async def _registry_loop(self) -> None:
         """Report state and load to the registry every beat (what routing and operators read)."""
@@ -213,7 +217,7 @@ class Worker:
                     await self._register()
                 await self._routes.refresh()
             except (RedisError, OSError) as exc:
-                log.warning("%s: registry heartbeat failed (%s)", self.consumer, exc)
+                self._log.warning("%s: registry heartbeat failed (%s)", self.consumer, exc)
 
     async def _heartbeat_loop(self) -> None:
         """Keep the inbox entries of running handlers fresh, so a long handler is never reclaimed."""
@@ -223,7 +227,7 @@ class Worker:
                 try:
                     await self._touch(list(self._entries))
                 except (RedisError, OSError) as exc:
-                    log.warning("%s: heartbeat failed (%s)", self.consumer, exc)
+                    self._log.warning("%s: heartbeat failed (%s)", self.consumer, exc)
 
     async def _touch(self, hids: list[str]) -> None:
         """Reset the idle time of the inbox entries of handoffs this worker is handling (XCLAIM
@@ -252,7 +256,7 @@ class Worker:
     async def _restore(self) -> None:
         restored = await self._inbox.restore()
         if restored:
-            log.warning("%s: the consumer group of %s was deleted; recreated it and re-issued %d in-flight "
+            self._log.warning("%s: the consumer group of %s was deleted; recreated it and re-issued %d in-flight "
                         "handoffs from their records", self.consumer, self.agent.agent_id, restored)
 
     async def wait_reclaim_pass(self) -> None:
@@ -289,19 +293,20 @@ class Worker:
             loaded = await self._inbox.load([d.handoff_id for d in taken])
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
-                log.warning("%s: reclaim failed (%s)", self.consumer, exc)
+                self._log.warning("%s: reclaim failed (%s)", self.consumer, exc)
                 return cursor
             try:
                 await self._restore()  # the group or the stream was deleted: rebuild it from the index
             except (RedisError, OSError) as again:
-                log.warning("%s: restoring the consumer group failed (%s)", self.consumer, again)
+                self._log.warning("%s: restoring the consumer group failed (%s)", self.consumer, again)
             return "0-0"
         except (RedisError, OSError) as exc:
-            log.warning("%s: reclaim failed (%s)", self.consumer, exc)
+            self._log.warning("%s: reclaim failed (%s)", self.consumer, exc)
             return cursor
         for delivery, row in zip(taken, loaded, strict=True):
             deliveries = counts.get(delivery.entry_id, 1)
-            log.info("%s: reclaimed %s (delivery %d)", self.consumer, delivery.handoff_id, deliveries)
+            self._log.info("%s: reclaimed %s (delivery %d)", self.consumer, delivery.handoff_id, deliveries,
+                           extra={"handoff_id": delivery.handoff_id})
             if deliveries > 1:
                 self.bus.tally.add(self.agent.agent_id, "redelivered")
             self._active += 1
@@ -339,7 +344,7 @@ class Worker:
                 self._done = done + self._done  # settle them next time
                 # connection lost, server restarting, or a failover's UNBLOCKED/READONLY/LOADING
                 delay = backoff.delay()
-                log.warning("%s: Redis unavailable (%s); retrying in %.2fs", self.consumer, exc, delay)
+                self._log.warning("%s: Redis unavailable (%s); retrying in %.2fs", self.consumer, exc, delay)
                 await anyio.sleep(delay)
                 continue
             backoff.reset()
@@ -361,7 +366,7 @@ class Worker:
             )
             if poison or row.request is None:
                 await self._inbox.dead_letter(delivery, poison or "no request", deliveries)
-                log.error("%s: dead-lettered %s: %s", self.consumer, hid, poison)
+                self._log.error("%s: dead-lettered %s: %s", self.consumer, hid, poison, extra={"handoff_id": hid})
                 after = "dead"
                 return
             metadata = row.request.metadata
@@ -381,12 +386,14 @@ class Worker:
             self.handled[status] = self.handled.get(status, 0) + 1
             after = "settle"
         except LeaseLost:
-            log.info("%s: %s was taken over by another worker; dropping this attempt", self.consumer, hid)
+            self._log.info("%s: %s was taken over by another worker; dropping this attempt", self.consumer, hid,
+                           extra={"handoff_id": hid})
             after = "keep pending"  # its entry belongs to the new holder now
         except (InvalidTransition, NotPermitted):
             after = "settle"  # cancelled, expired or finished meanwhile; or a routed offer that lapsed
         except Exception:
-            log.exception("%s: handling %s failed; it stays pending", self.consumer, hid)
+            self._log.exception("%s: handling %s failed; it stays pending", self.consumer, hid,
+                                extra={"handoff_id": hid})
             after = "keep pending"
         finally:
             self._active -= 1
@@ -413,7 +420,7 @@ class Worker:
         try:
             decision = await _call(self.agent.on_handoff_request, request)
         except Exception as exc:
-            log.exception("%s: acceptance hook failed for %s", self.consumer, hid)
+            self._log.exception("%s: acceptance hook failed for %s", self.consumer, hid, extra={"handoff_id": hid})
             return Reject(reason=f"acceptance hook failed: {type(exc).__name__}: {exc}", code="HOOK_FAILED")
         if not isinstance(decision, Accept | Reject):
             return Reject(reason=f"acceptance hook returned {type(decision).__name__}", code="HOOK_FAILED")
@@ -454,15 +461,16 @@ class Worker:
                 raise
             except Exception as exc:
                 if not policy.should_retry(attempt, exc):
-                    log.exception("%s: handler failed for %s (attempt %d)", self.consumer, hid, attempt)
+                    self._log.exception("%s: handler failed for %s (attempt %d)", self.consumer, hid, attempt,
+                                       extra={"handoff_id": hid})
                     error = f"{type(exc).__name__}: {exc}"
                     with tracing.settle_span(self._inbox_key, hid, "FAILED"):
                         await client._transition("fail", hid, {"error": error, "lease": self.consumer},
                                                  settle=False, created_ms=created_ms)
                     return HandoffStatus.FAILED
                 delay = policy.delay_before(attempt)
-                log.warning("%s: handler failed for %s (attempt %d: %s); retrying in %.2fs",
-                            self.consumer, hid, attempt, exc, delay)
+                self._log.warning("%s: handler failed for %s (attempt %d: %s); retrying in %.2fs",
+                                  self.consumer, hid, attempt, exc, delay, extra={"handoff_id": hid})
             await anyio.sleep(delay)  # the retry backoff (a stop meanwhile leaves it pending)
             attempt = await self._take_over(hid, retry=True)
         packed = None if result is None else codec.dumps_value(result)
