@@ -20,7 +20,7 @@ from .stats import AgentCounts
 if TYPE_CHECKING:
     from .bus import HandoffBus
 
-__all__ = ["AgentView", "observe", "observe_agents"]
+__all__ = ["AgentView", "known_agents", "observe", "observe_agents"]
 
 #: priority bands whose head is looked at for the oldest waiting handoff
 BANDS = 32

@@ -118,3 +118,32 @@ async def test_metrics_without_the_extra_say_how_to_get_it(monkeypatch: pytest.M
     async with HandoffBus.memory() as bus:
         with pytest.raises(HandoffbusError, match=r"pip install 'handoffbus\[metrics\]'"):
             Metrics(bus)
+
+
+async def test_the_exporter_sees_agents_without_live_workers(servers: dict) -> None:
+    server = servers["valkey"]
+    port = _free_port()
+    async with make_bus("valkey", servers) as bus:
+        await bus.client("req").request_handoff(req("req", "orphan-1"))
+        process = await anyio.open_process(
+            [sys.executable, "-m", "handoffbus", "exporter", "--port", str(port), "--address", "127.0.0.1",
+             "--interval", "0.2", "--redis-url", server.url, "--prefix", bus.config.prefix],
+            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            assert process.stdout is not None
+            with anyio.fail_after(30):
+                assert b"exporter serving" in await process.stdout.receive()
+            scraped: dict[Any, float] = {}
+            with anyio.fail_after(20):
+                while ("handoffbus_queue_depth", (("agent", "orphan-1"),)) not in scraped:
+                    await anyio.sleep(0.1)  # polling another process's HTTP endpoint
+                    scraped = await anyio.to_thread.run_sync(_scrape, port)
+        finally:
+            process.terminate()
+            with anyio.fail_after(30):
+                assert await process.wait() == 0
+            await process.aclose()
+    assert scraped[("handoffbus_queue_depth", (("agent", "orphan-1"),))] == 1
+    assert scraped[("handoffbus_live_workers", (("agent", "orphan-1"),))] == 0
+    assert scraped[("handoffbus_oldest_waiting_age_seconds", (("agent", "orphan-1"),))] > 0

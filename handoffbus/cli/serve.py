@@ -32,6 +32,7 @@ def register(app: typer.Typer) -> None:
     app.command("forwarder")(forwarder)
     app.command("demo")(demo)
     app.command("acl")(acl)
+    app.command("exporter")(exporter)
 
 
 def _logging() -> None:
@@ -190,3 +191,48 @@ def acl(
           "redis://<user>:<password>@host", file=sys.stderr)
     for line in setuser_commands(users):
         print(line)
+
+
+def exporter(
+    ctx: typer.Context,
+    port: Annotated[int, typer.Option(help="port to serve Prometheus metrics on")] = 9100,
+    address: Annotated[str, typer.Option(help="address to listen on")] = "0.0.0.0",
+    interval: Annotated[float, typer.Option(help="seconds between reads of Redis")] = 5.0,
+    redis_url: RedisUrl = None, prefix: Prefix = None,
+) -> None:
+    """Serve every agent's gauges (queue depth, in flight, oldest ages, live workers) for
+    Prometheus, read from Redis: it sees agents whose workers are all down (needs 'metrics')."""
+    from ..metrics import serve_metrics
+
+    opts = options(ctx, redis_url, prefix)
+    opts.url("exporter")
+    _logging()
+    try:
+        registry = serve_metrics(port, address)
+    except (HandoffbusError, OSError) as exc:
+        usage_error(f"cannot serve metrics on {address}:{port}: {exc}")
+    run(_exporter, opts, registry, interval)
+
+
+async def _exporter(opts: Options, registry: Any, interval: float) -> int:
+    from ..metrics import Metrics
+    from ..monitor import known_agents
+
+    async with open_bus(opts, "exporter") as bus, anyio.create_task_group() as tg:
+        metrics = Metrics(bus, registry)
+
+        async def refresh() -> None:
+            while True:
+                try:
+                    await metrics.refresh(await known_agents(bus))
+                except (RedisError, OSError, HandoffbusError) as exc:
+                    logging.getLogger("handoffbus").warning("metrics refresh failed (%s)", exc)
+                await anyio.sleep(interval)  # a timer
+
+        tg.start_soon(refresh)
+        print(f"exporter serving prefix {opts.prefix}", flush=True)
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                break
+        tg.cancel_scope.cancel()
+    return EXIT_OK
