@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -72,14 +73,18 @@ def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-async def test_a_worker_process_serves_its_metrics(servers: dict) -> None:
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["one-process", "multiprocess-dir"])
+async def test_a_worker_process_serves_its_metrics(servers: dict, multiprocess: bool, tmp_path: Path) -> None:
     server = servers["valkey"]
     port = _free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if multiprocess:  # prometheus_client's multiprocess mode: values go through files in this directory
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path)
     async with make_bus("valkey", servers) as bus:
         process = await anyio.open_process(
             [sys.executable, "-m", "handoffbus", "worker", "tests.agents:Echo", "--redis-url", server.url,
              "--prefix", bus.config.prefix, "--metrics-port", str(port), "--metrics-address", "127.0.0.1"],
-            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            cwd=ROOT, env=env,
         )
         try:
             assert process.stdout is not None
@@ -108,6 +113,8 @@ async def test_a_worker_process_serves_its_metrics(servers: dict) -> None:
     assert scraped[("handoffbus_handoff_duration_seconds_count", (("agent", "echo-1"),))] == 4
     assert ("handoffbus_queue_depth", (("agent", "echo-1"),)) in scraped
     assert scraped[("handoffbus_live_workers", (("agent", "echo-1"),))] == 1
+    if multiprocess:
+        assert list(tmp_path.glob("*.db")), "no multiprocess value files written"
 
 
 async def test_metrics_without_the_extra_say_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
