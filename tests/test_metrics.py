@@ -7,8 +7,9 @@ import os
 import socket
 import sys
 import urllib.request
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
@@ -66,55 +67,69 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+Scraped = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def _scrape(port: int) -> Scraped:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+@asynccontextmanager
+async def handoffbus(*args: str, ready: bytes, env: dict[str, str] | None = None) -> AsyncIterator[None]:
+    """A ``handoffbus`` process, once it printed ``ready``; stopped with SIGTERM after, exiting 0."""
+    process = await anyio.open_process([sys.executable, "-m", "handoffbus", *args], cwd=ROOT,
+                                       env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    try:
+        assert process.stdout is not None
+        with anyio.fail_after(30):
+            assert ready in await process.stdout.receive()
+        yield
+    finally:
+        process.terminate()
+        with anyio.fail_after(30):
+            assert await process.wait() == 0
+        await process.aclose()
+
+
+async def scrape_until(port: int, done: Callable[[Scraped], bool]) -> Scraped:
+    """Scrape until ``done`` says the other process has shown what the test waits for."""
+    with anyio.fail_after(20):
+        while True:
+            scraped = await anyio.to_thread.run_sync(_scrape, port)
+            if done(scraped):
+                return scraped
+            await anyio.sleep(0.1)  # polling another process's HTTP endpoint
+
+
 @pytest.mark.parametrize("multiprocess", [False, True], ids=["one-process", "multiprocess-dir"])
 async def test_a_worker_process_serves_its_metrics(servers: dict, multiprocess: bool, tmp_path: Path) -> None:
     server = servers["valkey"]
     port = _free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if multiprocess:  # prometheus_client's multiprocess mode: values go through files in this directory
-        env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path)
-    async with make_bus("valkey", servers) as bus:
-        process = await anyio.open_process(
-            [sys.executable, "-m", "handoffbus", "worker", "tests.agents:Echo", "--redis-url", server.url,
-             "--prefix", bus.config.prefix, "--metrics-port", str(port), "--metrics-address", "127.0.0.1"],
-            cwd=ROOT, env=env,
-        )
-        try:
-            assert process.stdout is not None
-            with anyio.fail_after(30):
-                assert b"serving" in await process.stdout.receive()
-            client = bus.client("req")
-            handles = [await client.request_handoff(req("req", "echo-1")) for _ in range(3)]
-            with anyio.fail_after(20):
-                for handle in handles:
-                    await handle.outcome()
-            await client.request_handoff(req("req", "echo-1", priority=5))  # one more, not awaited here
-            # the gauges are read from Redis every 2 s: scrape until a refresh has shown the work
-            scraped: dict[Any, float] = {}
-            with anyio.fail_after(20):
-                while scraped.get(("handoffbus_handoffs_finished_total",
-                                   (("agent", "echo-1"), ("status", "COMPLETED")))) != 4 or \
-                        not scraped.get(("handoffbus_worker_heartbeat_timestamp_seconds", (("agent", "echo-1"),))):
-                    await anyio.sleep(0.2)  # polling another process's HTTP endpoint
-                    scraped = await anyio.to_thread.run_sync(_scrape, port)
-        finally:
-            process.terminate()
-            with anyio.fail_after(30):
-                assert await process.wait() == 0
-            await process.aclose()
-    assert scraped[("handoffbus_decision_seconds_count", (("agent", "echo-1"),))] == 4
-    assert scraped[("handoffbus_handoff_duration_seconds_count", (("agent", "echo-1"),))] == 4
-    assert ("handoffbus_queue_depth", (("agent", "echo-1"),)) in scraped
-    assert scraped[("handoffbus_live_workers", (("agent", "echo-1"),))] == 1
+    # prometheus_client's multiprocess mode: values go through files in this directory
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)} if multiprocess else {}
+    echo = (("agent", "echo-1"),)
+    async with make_bus("valkey", servers) as bus, handoffbus(
+            "worker", "tests.agents:Echo", "--redis-url", server.url, "--prefix", bus.config.prefix,
+            "--metrics-port", str(port), "--metrics-address", "127.0.0.1", ready=b"serving", env=env):
+        client = bus.client("req")
+        handles = [await client.request_handoff(req("req", "echo-1")) for _ in range(3)]
+        with anyio.fail_after(20):
+            for handle in handles:
+                await handle.outcome()
+        await client.request_handoff(req("req", "echo-1", priority=5))  # one more, not awaited here
+        # the gauges are read from Redis every 2 s: until a refresh has shown the work
+        scraped = await scrape_until(port, lambda found: found.get(
+            ("handoffbus_handoffs_finished_total", (*echo, ("status", "COMPLETED")))) == 4 and bool(
+            found.get(("handoffbus_worker_heartbeat_timestamp_seconds", echo))))
+    assert scraped[("handoffbus_decision_seconds_count", echo)] == 4
+    assert scraped[("handoffbus_handoff_duration_seconds_count", echo)] == 4
+    assert ("handoffbus_queue_depth", echo) in scraped
+    assert scraped[("handoffbus_live_workers", echo)] == 1
     if multiprocess:
-        assert list(tmp_path.glob("*.db")), "no multiprocess value files written"
+        assert [p async for p in anyio.Path(tmp_path).glob("*.db")], "no multiprocess value files written"
 
 
 async def test_metrics_without_the_extra_say_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,27 +145,12 @@ async def test_metrics_without_the_extra_say_how_to_get_it(monkeypatch: pytest.M
 async def test_the_exporter_sees_agents_without_live_workers(servers: dict) -> None:
     server = servers["valkey"]
     port = _free_port()
+    orphan = (("agent", "orphan-1"),)
     async with make_bus("valkey", servers) as bus:
         await bus.client("req").request_handoff(req("req", "orphan-1"))
-        process = await anyio.open_process(
-            [sys.executable, "-m", "handoffbus", "exporter", "--port", str(port), "--address", "127.0.0.1",
-             "--interval", "0.2", "--redis-url", server.url, "--prefix", bus.config.prefix],
-            cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        try:
-            assert process.stdout is not None
-            with anyio.fail_after(30):
-                assert b"exporter serving" in await process.stdout.receive()
-            scraped: dict[Any, float] = {}
-            with anyio.fail_after(20):
-                while ("handoffbus_queue_depth", (("agent", "orphan-1"),)) not in scraped:
-                    await anyio.sleep(0.1)  # polling another process's HTTP endpoint
-                    scraped = await anyio.to_thread.run_sync(_scrape, port)
-        finally:
-            process.terminate()
-            with anyio.fail_after(30):
-                assert await process.wait() == 0
-            await process.aclose()
-    assert scraped[("handoffbus_queue_depth", (("agent", "orphan-1"),))] == 1
-    assert scraped[("handoffbus_live_workers", (("agent", "orphan-1"),))] == 0
-    assert scraped[("handoffbus_oldest_waiting_age_seconds", (("agent", "orphan-1"),))] > 0
+        async with handoffbus("exporter", "--port", str(port), "--address", "127.0.0.1", "--interval", "0.2",
+                              "--redis-url", server.url, "--prefix", bus.config.prefix, ready=b"exporter serving"):
+            scraped = await scrape_until(port, lambda found: ("handoffbus_queue_depth", orphan) in found)
+    assert scraped[("handoffbus_queue_depth", orphan)] == 1
+    assert scraped[("handoffbus_live_workers", orphan)] == 0
+    assert scraped[("handoffbus_oldest_waiting_age_seconds", orphan)] > 0

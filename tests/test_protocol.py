@@ -391,6 +391,7 @@ async def test_clear_all_handoffs_needs_confirmation_and_keeps_other_prefixes(
     else:
         async with make_bus(backend, servers) as neighbour:
             await neighbour.client("a").request_handoff(req("a", "b"))
+            await neighbour.stats.flush()  # its counters now, not when it closes
             neighbour_keys = await prefix_keys(neighbour)
     with pytest.raises(InvalidRequest):
         await a.clear_all_handoffs(confirm="yes")

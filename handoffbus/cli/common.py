@@ -21,13 +21,14 @@ import typer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rich.console import Console
+from rich.table import Table
 
 from ..bus import HandoffBus
 from ..errors import AuthenticationFailed, HandoffbusError, InvalidName, InvalidRequest, ServerUnavailable
 
 __all__ = [
     "EXIT_FAILED", "EXIT_OK", "EXIT_UNAVAILABLE", "EXIT_USAGE", "Json", "Options", "Prefix", "RedisUrl",
-    "console", "emit_json", "open_bus", "options", "run", "usage_error",
+    "console", "emit_json", "open_bus", "options", "run", "table", "usage_error",
 ]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 69
@@ -97,6 +98,16 @@ def emit_json(value: Any) -> None:
     """One JSON document on its own line (msgspec structs and enums as plain values)."""
     sys.stdout.write(msgspec.json.encode(msgspec.to_builtins(value)).decode() + "\n")
     sys.stdout.flush()
+
+
+def table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> Table:
+    """A table of text cells; long cells fold rather than being cut."""
+    found = Table(title=title, title_justify="left")
+    for column in columns:
+        found.add_column(column, overflow="fold")
+    for row in rows:
+        found.add_row(*row)
+    return found
 
 
 def ago(at_ms: int, now_ms: int) -> str:

@@ -9,7 +9,6 @@ from typing import Annotated, Any
 
 import anyio
 import typer
-from rich.table import Table
 
 from ..context import deserialize_context, serialize_context
 from ..errors import DecodeError, PayloadTooLarge
@@ -30,6 +29,7 @@ from .common import (
     options,
     run,
     seconds,
+    table,
     usage_error,
 )
 
@@ -263,21 +263,15 @@ async def _pending(opts: Options, agent: str, idle: int | None, count: int) -> i
             emit_json({"agent": agent, "queued": queued, "in_flight": entries})
             return EXIT_OK
         if idle is None:
-            table = Table(title=f"{agent}: {len(queued)} queued, in serving order", title_justify="left")
-            for column in ("#", "handoff", "priority", "waiting", "deadline", "reason"):
-                table.add_column(column, overflow="fold")
-            for i, p in enumerate(queued, 1):
-                table.add_row(str(i), p.handoff_id, str(p.request.priority), seconds((now - p.created_ms) / 1000),
-                              ago(p.deadline_ms, now), p.request.reason)
-            console.print(table)
+            console.print(table(
+                f"{agent}: {len(queued)} queued, in serving order",
+                ("#", "handoff", "priority", "waiting", "deadline", "reason"),
+                [(str(i), p.handoff_id, str(p.request.priority), seconds((now - p.created_ms) / 1000),
+                  ago(p.deadline_ms, now), p.request.reason) for i, p in enumerate(queued, 1)]))
         title = f"{agent}: {len(entries)} in flight" + (f", idle >= {idle} ms" if idle is not None else "")
-        table = Table(title=title, title_justify="left")
-        for column in ("handoff", "inbox entry", "worker", "idle", "deliveries"):
-            table.add_column(column, overflow="fold")
-        for e in entries:
-            table.add_row(e["handoff_id"], e["entry_id"], e["consumer"], seconds(e["idle_ms"] / 1000),
-                          str(e["deliveries"]))
-        console.print(table)
+        console.print(table(title, ("handoff", "inbox entry", "worker", "idle", "deliveries"), [
+            (e["handoff_id"], e["entry_id"], e["consumer"], seconds(e["idle_ms"] / 1000), str(e["deliveries"]))
+            for e in entries]))
         return EXIT_OK
 
 
@@ -302,12 +296,10 @@ async def _dlq_list(opts: Options, agent: str, count: int) -> int:
             emit_json(letters)
             return EXIT_OK
         now = await bus.server_time_ms()
-        table = Table(title=f"{agent}: {len(letters)} dead letters", title_justify="left")
-        for column in ("entry", "handoff", "deliveries", "worker", "when", "reason"):
-            table.add_column(column, overflow="fold")
-        for d in letters:
-            table.add_row(d.entry_id, d.handoff_id, str(d.deliveries), d.consumer, ago(d.at_ms, now), d.reason)
-        console.print(table)
+        console.print(table(f"{agent}: {len(letters)} dead letters",
+                            ("entry", "handoff", "deliveries", "worker", "when", "reason"),
+                            [(d.entry_id, d.handoff_id, str(d.deliveries), d.consumer, ago(d.at_ms, now), d.reason)
+                             for d in letters]))
         return EXIT_OK
 
 

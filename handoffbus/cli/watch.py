@@ -29,6 +29,7 @@ from .common import (
     options,
     run,
     seconds,
+    table,
 )
 
 __all__ = ["Frame", "register"]
@@ -60,14 +61,11 @@ async def _agents(opts: Options) -> int:
             emit_json(found)
             return EXIT_OK
         now = await bus.server_time_ms()
-        table = Table(title=f"{len(found)} live agents", title_justify="left")
-        for column in ("agent", "capabilities", "worker", "state", "load", "last heartbeat"):
-            table.add_column(column, overflow="fold")
-        for agent in found:
-            for i, w in enumerate(agent.workers):
-                table.add_row(agent.agent_id if i == 0 else "", ", ".join(agent.capabilities) if i == 0 else "",
+        console.print(table(f"{len(found)} live agents",
+                            ("agent", "capabilities", "worker", "state", "load", "last heartbeat"),
+                            [(agent.agent_id if i == 0 else "", ", ".join(agent.capabilities) if i == 0 else "",
                               w.consumer, w.state, f"{w.load}/{w.limit}", ago(w.beat_ms, now))
-        console.print(table)
+                             for agent in found for i, w in enumerate(agent.workers)]))
         return EXIT_OK
 
 
