@@ -90,3 +90,20 @@ async def test_backlog_ages_in_flight_and_live_workers(real_bus: HandoffBus) -> 
         echo = await observe(bus, "echo-1")
     assert echo.workers == 1 and echo.capabilities == ["echo"] and echo.beat_age_s is not None
     assert 0 <= echo.beat_age_s < 3
+
+
+async def test_an_idle_worker_settles_finished_handoffs_at_once(real_bus: HandoffBus) -> None:
+    """Finished handoffs leave the in-flight count (and free their places under max_queued)
+    while the worker waits for work, not at its next take."""
+    bus = real_bus
+    handles = [await bus.client("req").request_handoff(req("req", "echo-1")) for _ in range(5)]
+    async with serving(bus, Echo()) as [worker]:
+        with anyio.fail_after(10):
+            for handle in handles:
+                await handle.outcome()
+        assert worker._block_ms >= 1000  # without the settle, they would wait for the block to end
+        with anyio.fail_after(0.5):
+            while (await observe(bus, "echo-1")).in_flight:
+                await anyio.sleep(0.01)  # polling the worker's settle
+        view = await observe(bus, "echo-1")
+    assert (view.queued, view.in_flight, view.oldest_in_flight_s) == (0, 0, None)

@@ -98,6 +98,10 @@ class Worker:
         self._inbox_key = bus.keys.target(agent.agent_id).inbox
         self._client = bus.client(agent.agent_id)
         self._done: list[str] = []
+        #: the fetch loop is blocked waiting for work: finished handoffs are settled at once then
+        #: (under load the next take settles them in the same round trip)
+        self._idle = False
+        self._settle_wanted = anyio.Event()
         self._give_back: list[tuple[str, int]] = []  # stopped before accepting: back to the queue
         self._active = 0
         self._changed = anyio.Event()  # a handler finished, or drain was asked for
@@ -135,6 +139,7 @@ class Worker:
                 async with anyio.create_task_group() as handlers:
                     handlers.start_soon(self._registry_loop)
                     handlers.start_soon(self._heartbeat_loop)
+                    handlers.start_soon(self._settle_loop)
                     handlers.start_soon(self._reclaim_loop, handlers)
                     task_status.started()
                     await self._fetch_loop(handlers)
@@ -157,6 +162,15 @@ class Worker:
     async def _wait_change(self) -> None:
         await self._changed.wait()
         self._changed = anyio.Event()
+
+    async def _settle_loop(self) -> None:
+        """Settle finished handoffs while the fetch loop waits for work, so that an idle agent's
+        in-flight count and queue cap free up at once instead of at its next take."""
+        while True:
+            await self._settle_wanted.wait()
+            self._settle_wanted = anyio.Event()
+            if self._idle:
+                await self._settle_done()
 
     async def _settle_done(self) -> None:
         if self._done:
@@ -337,7 +351,13 @@ class Worker:
                     taken += await self._routes.pull(free - len(taken))
                 if not taken:
                     with anyio.CancelScope() as self._fetch_scope:
-                        await self._inbox.wait(bell, self._block_ms)
+                        self._idle = True
+                        try:
+                            if self._done:
+                                self._settle_wanted.set()  # finished while this loop looked for work
+                            await self._inbox.wait(bell, self._block_ms)
+                        finally:
+                            self._idle = False
                     continue
                 loaded = await self._inbox.load([d.handoff_id for d in taken])
             except (RedisError, OSError) as exc:
@@ -400,6 +420,8 @@ class Worker:
             self._entries.pop(hid, None)
             if after == "settle":
                 self._done.append(hid)
+                if self._idle:
+                    self._settle_wanted.set()
             elif after == "give back" and row is not None and row.request is not None:
                 self._give_back.append((hid, row.request.priority))
             self._changed.set()
