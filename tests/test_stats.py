@@ -98,12 +98,21 @@ async def test_an_idle_worker_settles_finished_handoffs_at_once(real_bus: Handof
     bus = real_bus
     handles = [await bus.client("req").request_handoff(req("req", "echo-1")) for _ in range(5)]
     async with serving(bus, Echo()) as [worker]:
+        settled = [anyio.Event()]
+        settle = worker._settle_done
+
+        async def watched() -> None:
+            await settle()
+            settled[0].set()
+
+        worker._settle_done = watched  # type: ignore[method-assign]
         with anyio.fail_after(10):
             for handle in handles:
                 await handle.outcome()
         assert worker._block_ms >= 1000  # without the settle, they would wait for the block to end
         with anyio.fail_after(0.5):
             while (await observe(bus, "echo-1")).in_flight:
-                await anyio.sleep(0.01)  # polling the worker's settle
+                await settled[0].wait()  # each settle the worker makes while it waits for work
+                settled[0] = anyio.Event()
         view = await observe(bus, "echo-1")
     assert (view.queued, view.in_flight, view.oldest_in_flight_s) == (0, 0, None)
