@@ -45,6 +45,8 @@ __all__ = ["Worker", "serve_until_signalled"]
 log = logging.getLogger("handoffbus")
 #: seconds a registry beat may take once sent before stopping stops waiting for it
 REGISTER_WAIT = 5.0
+#: seconds a settle of finished handoffs may take once sent, a stop notwithstanding
+SETTLE_WAIT = 10.0
 
 
 def default_consumer_name() -> str:
@@ -173,13 +175,18 @@ class Worker:
                 await self._settle_done()
 
     async def _settle_done(self) -> None:
-        if self._done:
-            done, self._done = self._done, []
+        if not self._done:
+            return
+        done, self._done = self._done, []
+        # shielded: a stop arriving mid-call must not drop the list (its round trip is short)
+        with anyio.move_on_after(SETTLE_WAIT, shield=True) as scope:
             try:
                 await self._inbox.take(0, settle=done)
             except (RedisError, OSError) as exc:
                 self._log.warning("%s: could not settle %d handoffs (%s); they stay pending",
                                   self.consumer, len(done), exc)
+        if scope.cancelled_caught:
+            self._done = done + self._done  # not answered in time: the next settle tries again
 
     async def _hand_back(self) -> None:
         """Re-queue handoffs stopped while their acceptance hook ran: others take them now."""
