@@ -93,15 +93,16 @@ class Metrics:
 
     async def refresh(self, agents: Sequence[str], workers: Sequence[Worker] = ()) -> None:
         """Set the gauges of ``agents`` from Redis (and the heartbeats of ``workers``)."""
+        beats = [(w.agent.agent_id, w.last_beat_ms) for w in workers]  # before the read: never newer than it
         for view in await observe_agents(self._bus, agents):
             self.queue_depth.labels(view.agent_id).set(view.queued)
             self.inflight.labels(view.agent_id).set(view.in_flight)
             self.oldest_waiting.labels(view.agent_id).set(view.oldest_waiting_s or 0)
             self.oldest_inflight.labels(view.agent_id).set(view.oldest_in_flight_s or 0)
             self.live_workers.labels(view.agent_id).set(view.workers)
-        for worker in workers:
-            if worker.last_beat_ms:
-                self.heartbeat.labels(worker.agent.agent_id).set(worker.last_beat_ms / 1000)
+        for agent, beat_ms in beats:
+            if beat_ms:
+                self.heartbeat.labels(agent).set(beat_ms / 1000)
 
 
 def serve_metrics(port: int, address: str = "0.0.0.0") -> Any:

@@ -182,8 +182,14 @@ async def test_forwarder_and_isolated_worker_processes(real_backend: str, server
         codes = []
         for process in processes:
             process.terminate()
-            with anyio.fail_after(30):
+            with anyio.move_on_after(30):
                 codes.append(await process.wait())
+            if process.returncode is None:  # say which one did not stop, and what it said
+                process.kill()
+                await process.wait()
+                assert process.stderr is not None
+                said = (await process.stderr.receive(65536)).decode(errors="replace")
+                pytest.fail(f"{process} did not exit within 30 s of SIGTERM; its stderr:\n{said[-3000:]}")
     finally:
         for process in processes:
             if process.returncode is None:
