@@ -30,6 +30,7 @@ from .errors import NotPermitted as NotPermitted
 from .errors import PayloadTooLarge as PayloadTooLarge
 from .errors import QueueFull as QueueFull
 from .errors import RequestConflict as RequestConflict
+from .errors import RouteRefused as RouteRefused
 from .errors import ServerUnavailable as ServerUnavailable
 from .errors import ServerUnsupported as ServerUnsupported
 from .errors import SignatureInvalid as SignatureInvalid
@@ -97,6 +98,7 @@ __all__ = [
     "Reject",
     "RequestConflict",
     "RetryPolicy",
+    "RouteRefused",
     "RouteStep",
     "ServerUnavailable",
     "ServerUnsupported",

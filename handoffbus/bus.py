@@ -24,6 +24,7 @@ from .forwarding import Outbox
 from .keys import GROUP, Keys
 from .models import HandoffRecord
 from .names import split_handoff_id
+from .policies import HandoffPolicy
 from .records import Loaded, loaded_from_row, record_from_hash
 from .routing import Router
 from .scripts import Scripts
@@ -91,6 +92,7 @@ class HandoffBus:
         owns_client: bool = False,
         keyring: Keyring | None = None,
         isolated: str | None = None,
+        policy: HandoffPolicy | None = None,
         **settings: Any,
     ) -> None:
         if config is not None and settings:
@@ -103,6 +105,9 @@ class HandoffBus:
         #: an isolated bus acts as this one agent, whose ACL user reaches only its own slot:
         #: its other calls go through the forwarder (see forwarding.py)
         self.isolated = isolated
+        #: what every request goes through before it is queued: scenario routes, loop guards,
+        #: context policies (see policies/policy.py)
+        self.policy = policy
         self._outbox = Outbox(self, isolated) if isolated is not None else None
         self._redis = redis
         self._server = server

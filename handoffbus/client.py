@@ -6,6 +6,7 @@ import hashlib
 import math
 import time
 import uuid
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -51,12 +52,17 @@ def rejection_fields(
     return {"reason": reason, "code": code, "retry": retry_after_ms, "redirect": redirect_to}
 
 
+#: metadata that says how a request was sent, not what it asks: the trace it was sent from,
+#: and the scenario's resolution (its greeting and templates may differ between sends)
+NOT_IDENTITY = (*tracing.TRACE_KEYS, "hb.handoff")
+
+
 def request_fingerprint(request: HandoffRequest) -> bytes:
     """A digest of the request's content, the same whatever codec, compression or key order,
-    and whatever trace the request was sent from (the trace context is not its content)."""
-    if any(key in request.metadata for key in tracing.TRACE_KEYS):
+    and whatever trace or scenario resolution it was sent with (``NOT_IDENTITY``)."""
+    if any(key in request.metadata for key in NOT_IDENTITY):
         request = msgspec.structs.replace(
-            request, metadata={k: v for k, v in request.metadata.items() if k not in tracing.TRACE_KEYS})
+            request, metadata={k: v for k, v in request.metadata.items() if k not in NOT_IDENTITY})
     try:
         body = _canonical.encode(request)
     except (TypeError, ValueError, OverflowError, RecursionError) as exc:  # e.g. a dict key that is not text
@@ -118,12 +124,18 @@ class HandoffClient:
             request, to_agent=to_agent, capabilities_required=caps, request_id=request_id, timeout=float(timeout)
         )
 
-    async def request_handoff(self, request: HandoffRequest, *, fail_fast: bool = False) -> HandoffHandle:
+    async def request_handoff(
+        self, request: HandoffRequest, *, fail_fast: bool = False, variables: Mapping[str, Any] | None = None,
+    ) -> HandoffHandle:
         """Create a handoff (or re-attach to the one with this request id) and return its handle.
 
         A request without ``to_agent`` is routed by ``capabilities_required`` (docs/routing.md).
         With no capable agent live it waits for one until its deadline; ``fail_fast=True``
         makes it REJECTED (code ``NO_CAPABLE_AGENT``) at once instead.
+
+        A bus with a ``HandoffPolicy`` applies it first: a route its scenario does not allow,
+        or one that breaks the loop guards, raises ``RouteRefused`` before anything is
+        written; ``variables`` are what the scenario's ``context_vars`` templates may use.
 
         Two idempotent scripts, sent in this order in one round trip: the record in this agent's
         slot, then the target's queue. A crash between them leaves a PENDING record that a retry
@@ -132,6 +144,9 @@ class HandoffClient:
         request = self._normalize(request)
         if not request.to_agent and fail_fast and self._bus.isolated is not None:
             raise InvalidRequest("fail_fast needs the live agents, which an isolated agent cannot read")
+        if self._bus.policy is not None:
+            handoff_id = join_handoff_id(self.agent_id, request.request_id)
+            request = await self._bus.policy.prepare(self._bus, request, handoff_id, variables)
         keys = self._bus.keys
         destination = (keys.target(request.to_agent).inbox if request.to_agent
                        else keys.route(set_id(capability_set(request.capabilities_required))).queue)

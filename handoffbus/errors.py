@@ -36,6 +36,17 @@ class InvalidRequest(HandoffbusError, ValueError):
     """A request or argument is malformed; nothing was written to Redis."""
 
 
+class RouteRefused(InvalidRequest):
+    """The bus's handoff policy does not allow this request; nothing was written. ``code``:
+    ``ROUTE_NOT_IN_SCENARIO``, ``MAX_DEPTH``, ``CYCLE`` or ``BAD_HOP_CHAIN``."""
+
+    def __init__(self, handoff_id: str, code: str, reason: str) -> None:
+        super().__init__(f"{code}: {reason}")
+        self.handoff_id = handoff_id
+        self.code = code
+        self.reason = reason
+
+
 class InvalidName(InvalidRequest):
     """An agent id, capability or request id breaks the name rule."""
 

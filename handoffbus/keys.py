@@ -125,6 +125,10 @@ class Keys:
         """Hash of the agent's registered workers (consumer -> info with its last beat)."""
         return f"{self.slot(agent)}workers"
 
+    def blob(self, requester: str, digest: str) -> str:
+        """Large context content of the requester's handoffs, out of band (policies/blobs.py)."""
+        return f"{self.slot(requester)}blob:{digest}"
+
     def stats(self, agent: str) -> str:
         """Hash of the agent's counters and latency histograms (see handoffbus/stats.py)."""
         return f"{self.slot(agent)}stats"

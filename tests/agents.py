@@ -7,7 +7,7 @@ from typing import Any
 
 import anyio
 
-from handoffbus import HandoffRequest, LeaseLost
+from handoffbus import HandoffRequest, LeaseLost, RouteRefused
 from handoffbus.workers import Accept, Agent, ReceivedHandoff, Reject, RetryPolicy
 
 
@@ -172,3 +172,17 @@ class Doomed(Agent):
         print(f"chosen {request.request_id}", flush=True)
         await anyio.sleep_forever()
         return Accept()
+
+
+class ConciergeRelay(Agent):
+    """The banking scenario's Concierge: hands each conversation on to ``metadata["next"]``,
+    and says what became of it (the new handoff's id, or the refusal's code)."""
+
+    agent_id = "Concierge"
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        try:
+            onward = await handoff.hand_to(handoff.request.metadata["next"], reason="routing on")
+        except RouteRefused as exc:
+            return {"refused": exc.code}
+        return {"onward": onward.handoff_id}

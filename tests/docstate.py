@@ -16,8 +16,9 @@ import anyio
 import redis.asyncio as aioredis
 from anyio import run_process
 
-from handoffbus import HandoffBus, HandoffRequest, HandoffStatus
+from handoffbus import HandoffBus, HandoffContext, HandoffRequest, HandoffStatus
 from handoffbus.forwarding import Forwarder
+from handoffbus.policies import offload
 from handoffbus.routing import set_id
 from handoffbus.workers.inbox import Inbox
 
@@ -114,6 +115,9 @@ async def build_state(bus: HandoffBus, url: str) -> None:
         tg.cancel_scope.cancel()
 
     await bus.stats.flush()  # req-41's acceptance and completion, counted for the target
+
+    # a 70 kB report in a context goes out of band (policies/blobs.py), into a blob key of R's
+    await offload(bus, REQUESTER, HandoffContext(tool_state={"report": "A" * 70_000}), threshold=65_536)
 
     record = await requester.get_handoff_status(f"{REQUESTER}/req-42")
     assert record is not None and record.status is HandoffStatus.PENDING

@@ -63,6 +63,8 @@ def worker(
     metrics_port: Annotated[int | None, typer.Option(
         help="serve Prometheus metrics on this port (needs the 'metrics' extra)")] = None,
     metrics_address: Annotated[str, typer.Option(help="address the metrics server listens on")] = "0.0.0.0",
+    scenario: Annotated[str | None, typer.Option(
+        help="a scenario YAML: these agents hand off only along its routes (needs the 'scenarios' extra)")] = None,
     isolated: Annotated[bool, typer.Option(
         "--isolated",
         help="connect as the agent's own ACL user (see 'acl'); a forwarder carries its handoffs")] = False,
@@ -86,13 +88,23 @@ def worker(
             registry = serve_metrics(metrics_port, metrics_address)
         except (HandoffbusError, OSError) as exc:
             usage_error(f"cannot serve metrics on {metrics_address}:{metrics_port}: {exc}")
+    policy = None
+    if scenario is not None:
+        from ..policies import HandoffPolicy, Scenario, ScenarioError
+
+        try:
+            policy = HandoffPolicy(Scenario.load(scenario))
+        except ScenarioError as exc:
+            usage_error(str(exc))
     run(_worker, opts, url, instances, concurrency, grace, reclaim_idle, offer_time,
-        instances[0].agent_id if isolated else None, registry)
+        instances[0].agent_id if isolated else None, registry, policy)
 
 
 async def _worker(opts: Options, url: str, agents: list[Agent], concurrency: int, grace: float,
-                  reclaim_idle: float, offer_time: float, isolated: str | None, registry: Any) -> int:
-    async with HandoffBus.connect(url, prefix=opts.prefix, offer_time=offer_time, isolated=isolated) as bus:
+                  reclaim_idle: float, offer_time: float, isolated: str | None, registry: Any,
+                  policy: Any) -> int:
+    async with HandoffBus.connect(url, prefix=opts.prefix, offer_time=offer_time, isolated=isolated,
+                                  policy=policy) as bus:
         workers = [Worker(bus, agent, concurrency=concurrency, grace=grace, reclaim_idle=reclaim_idle)
                    for agent in agents]
         for w in workers:

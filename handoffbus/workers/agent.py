@@ -24,9 +24,12 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from ..context import HandoffContext, deserialize_context
+from ..context import HandoffContext, deserialize_context, serialize_context
 from ..errors import HandoffbusError, InvalidRequest
 from ..models import HandoffRequest
+from ..policies.guards import HOPS_KEY, RETURN_KEY, hops_of
+from ..policies.policy import RESOLUTION_KEY
+from ..policies.scenario import HandoffResolution
 
 __all__ = ["Accept", "Agent", "AgentState", "ReceivedHandoff", "Reject", "RetryPolicy"]
 
@@ -102,11 +105,13 @@ class ReceivedHandoff(msgspec.Struct, frozen=True, kw_only=True):
     context: HandoffContext | None
     attempt: int = 1
     renew: Callable[[], Awaitable[None]] = _no_heartbeat
+    #: the receiving agent's client (a HandoffClient), for handing the conversation on
+    client: Any = None
 
     @classmethod
     def of(
         cls, handoff_id: str, request: HandoffRequest, attempt: int = 1,
-        renew: Callable[[], Awaitable[None]] = _no_heartbeat,
+        renew: Callable[[], Awaitable[None]] = _no_heartbeat, client: Any = None,
     ) -> ReceivedHandoff:
         context = None
         if request.context_snapshot is not None:
@@ -114,7 +119,42 @@ class ReceivedHandoff(msgspec.Struct, frozen=True, kw_only=True):
                 context = deserialize_context(request.context_snapshot)
             except HandoffbusError:
                 context = None
-        return cls(handoff_id=handoff_id, request=request, context=context, attempt=attempt, renew=renew)
+        return cls(handoff_id=handoff_id, request=request, context=context, attempt=attempt, renew=renew,
+                   client=client)
+
+    @property
+    def hops(self) -> list[str]:
+        """The agents this conversation went through before this handoff's sender, oldest first."""
+        return hops_of(self.request.metadata)
+
+    @property
+    def resolution(self) -> HandoffResolution | None:
+        """What the sender's scenario said of this handoff (type, greeting, context_vars), if any."""
+        found = self.request.metadata.get(RESOLUTION_KEY)
+        return msgspec.convert(found, HandoffResolution) if isinstance(found, dict) else None
+
+    def onward(self, to_agent: str, reason: str = "", context: HandoffContext | None = None,
+               **fields: Any) -> HandoffRequest:
+        """A request handing this conversation on to ``to_agent``, carrying the hop chain."""
+        if self.client is None:
+            raise InvalidRequest("this handoff has no client to hand it on with")
+        metadata = {**fields.pop("metadata", {}), HOPS_KEY: [*self.hops, self.request.from_agent]}
+        snapshot = serialize_context(context) if context is not None else fields.pop("context_snapshot", None)
+        return HandoffRequest(from_agent=self.client.agent_id, to_agent=to_agent, reason=reason,
+                              context_snapshot=snapshot, metadata=metadata, **fields)
+
+    async def hand_to(self, to_agent: str, reason: str = "", context: HandoffContext | None = None,
+                      **fields: Any) -> Any:
+        """Hand the conversation on (its hop chain grows by this handoff's sender); returns the
+        new handoff's handle. The bus's policy may refuse it: ``RouteRefused``."""
+        return await self.client.request_handoff(self.onward(to_agent, reason, context, **fields))
+
+    async def return_to_sender(self, context: HandoffContext | None = None, reason: str = "returned",
+                               **fields: Any) -> Any:
+        """Hand control back to the agent that handed this conversation over, with the updated
+        context; not a cycle for the loop guards. Returns the new handoff's handle."""
+        metadata = {**fields.pop("metadata", {}), RETURN_KEY: self.handoff_id}
+        return await self.hand_to(self.request.from_agent, reason, context, metadata=metadata, **fields)
 
     async def heartbeat(self) -> None:
         """Renew this worker's hold on the handoff now, and check it still has it.

@@ -32,6 +32,7 @@ from ..keys import GROUP
 from ..logs import AgentLog
 from ..models import TERMINAL, HandoffRequest, HandoffStatus
 from ..names import check_names, split_handoff_id
+from ..policies.blobs import has_blobs, restore
 from ..records import Loaded
 from .agent import Accept, Agent, AgentState, ReceivedHandoff, Reject
 from .inbox import Delivery, Inbox
@@ -484,7 +485,10 @@ class Worker:
 
         while True:
             try:
-                result = await _call(self.agent.on_handoff_received, ReceivedHandoff.of(hid, request, attempt, renew))
+                received = ReceivedHandoff.of(hid, request, attempt, renew, client)
+                if received.context is not None and has_blobs(received.context):
+                    received = msgspec.structs.replace(received, context=await restore(self.bus, received.context))
+                result = await _call(self.agent.on_handoff_received, received)
                 break
             except LeaseLost:
                 raise

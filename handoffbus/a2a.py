@@ -1,0 +1,95 @@
+"""Agent2Agent (A2A) views of handoffbus: task states and Agent Cards.
+
+| handoffbus | A2A task state | note |
+|---|---|---|
+| PENDING | ``submitted`` | queued, not yet accepted |
+| ACCEPTED | ``working`` | an agent holds it |
+| COMPLETED | ``completed`` | |
+| REJECTED | ``rejected`` | the rejection code and reason go in the status message's metadata |
+| CANCELLED | ``canceled`` | |
+| FAILED | ``failed`` | |
+| EXPIRED | ``failed`` | A2A has no expiry: ``metadata["handoffbus.status"] = "EXPIRED"`` and the reason say so |
+
+``agent_card`` describes a registered agent as an A2A Agent Card: each capability is a
+skill. handoffbus has no HTTP endpoint of its own, so the caller gives the URL at which it
+exposes the agent (a gateway).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from .models import AgentInfo, HandoffRecord, HandoffStatus
+
+__all__ = ["A2A_PROTOCOL_VERSION", "A2A_STATES", "a2a_state", "a2a_task", "agent_card"]
+
+A2A_PROTOCOL_VERSION = "0.3.0"
+A2A_STATES: dict[HandoffStatus, str] = {
+    HandoffStatus.PENDING: "submitted",
+    HandoffStatus.ACCEPTED: "working",
+    HandoffStatus.COMPLETED: "completed",
+    HandoffStatus.REJECTED: "rejected",
+    HandoffStatus.CANCELLED: "canceled",
+    HandoffStatus.FAILED: "failed",
+    HandoffStatus.EXPIRED: "failed",
+}
+
+
+def a2a_state(status: HandoffStatus) -> tuple[str, dict[str, Any]]:
+    """The A2A task state of a status, with the metadata that keeps what A2A cannot say."""
+    metadata: dict[str, Any] = {"handoffbus.status": status.value}
+    if status is HandoffStatus.EXPIRED:
+        metadata["reason"] = "not accepted before its deadline"
+    return A2A_STATES[status], metadata
+
+
+def _iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def a2a_task(record: HandoffRecord) -> dict[str, Any]:
+    """A handoff as an A2A Task object (its history as status updates, its result as an artifact)."""
+    state, metadata = a2a_state(record.status)
+    response = record.response
+    if response.rejection_code or response.rejection_reason:
+        metadata.update({"rejection_code": response.rejection_code, "rejection_reason": response.rejection_reason})
+    if response.error:
+        metadata["error"] = response.error
+    task: dict[str, Any] = {
+        "kind": "task",
+        "id": record.handoff_id,
+        "contextId": record.request.metadata.get("context_id", record.handoff_id),
+        "status": {"state": state, "timestamp": _iso(record.updated_ms)},
+        "history": [{"kind": "message", "role": "agent" if h.actor != record.request.from_agent else "user",
+                     "messageId": f"{record.handoff_id}#{i}", "parts": [{"kind": "text", "text": h.status.value}],
+                     "metadata": {"actor": h.actor, "at": _iso(h.at_ms)}}
+                    for i, h in enumerate(record.history)],
+        "metadata": metadata,
+    }
+    if record.status is HandoffStatus.COMPLETED and response.result is not None:
+        task["artifacts"] = [{"artifactId": f"{record.handoff_id}/result",
+                              "parts": [{"kind": "data", "data": response.result} if isinstance(response.result, dict)
+                                        else {"kind": "text", "text": str(response.result)}]}]
+    return task
+
+
+def agent_card(agent: AgentInfo, url: str, *, description: str = "", version: str = "1.0.0",
+               provider: dict[str, str] | None = None) -> dict[str, Any]:
+    """An A2A Agent Card for a registered agent: its capabilities become skills."""
+    card: dict[str, Any] = {
+        "protocolVersion": A2A_PROTOCOL_VERSION,
+        "name": agent.agent_id,
+        "description": description or f"handoffbus agent {agent.agent_id} ({len(agent.workers)} live workers)",
+        "url": url,
+        "version": version,
+        "capabilities": {"streaming": False, "pushNotifications": False, "stateTransitionHistory": True},
+        "defaultInputModes": ["application/json", "text/plain"],
+        "defaultOutputModes": ["application/json", "text/plain"],
+        "skills": [{"id": capability, "name": capability.replace("_", " "),
+                    "description": f"{agent.agent_id} accepts handoffs that need {capability}",
+                    "tags": [capability, "handoffbus"]} for capability in agent.capabilities],
+    }
+    if provider:
+        card["provider"] = provider
+    return card

@@ -1,0 +1,130 @@
+"""Large or binary context content out of band.
+
+A context is JSON, kept whole in its handoff's record, and read by every status call. A
+large document or file in it would make each of those reads cost as much. ``offload``
+moves such content into keys of their own, in the requester's slot
+(``<p>:{R}:blob:<sha256>``), with a time to live. The context keeps a reference in its
+place: ``{"$hb_blob": key, "size": n, "sha256": ..., "kind": "str"|"bytes"}``.
+``restore`` puts the content back on the receiving side.
+
+What goes out: ``bytes`` anywhere in the tool state (JSON cannot hold them), and any string
+in the tool state or message content longer than the threshold. The content is stored once
+per digest, so the same content sent twice costs one key. A reference whose key has expired
+raises ``DecodeError`` when it is restored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ..context import HandoffContext
+from ..errors import DecodeError
+
+if TYPE_CHECKING:
+    from ..bus import HandoffBus
+
+__all__ = ["BLOB_REF", "has_blobs", "offload", "restore"]
+
+BLOB_REF = "$hb_blob"
+#: entries whose content went out of band say so in their extra fields
+ENTRY_REF = "hb.blob"
+
+
+def _ref(bus: HandoffBus, requester: str, data: bytes, kind: str, found: dict[str, bytes]) -> dict[str, Any]:
+    digest = hashlib.sha256(data).hexdigest()
+    key = bus.keys.blob(requester, digest)
+    found[key] = data
+    return {BLOB_REF: key, "size": len(data), "sha256": digest, "kind": kind}
+
+
+async def offload(bus: HandoffBus, requester: str, context: HandoffContext, *, threshold: int = 64 * 1024,
+                  ttl: float | None = None) -> HandoffContext:
+    """``context`` with its large and binary content moved to blob keys (written now, living
+    ``ttl`` seconds: by default the bus's longest timeout plus its record retention)."""
+    found: dict[str, bytes] = {}
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, bytes | bytearray | memoryview):
+            return _ref(bus, requester, bytes(value), "bytes", found)
+        if isinstance(value, str) and len(value) > threshold:
+            return _ref(bus, requester, value.encode(), "str", found)
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [walk(v) for v in value]
+        return value
+
+    history = []
+    for entry in context.conversation_history:
+        if len(entry.content) > threshold:
+            ref = _ref(bus, requester, entry.content.encode(), "str", found)
+            entry = msgspec.structs.replace(entry, content="", extra={**entry.extra, ENTRY_REF: ref})
+        history.append(entry)
+    offloaded = msgspec.structs.replace(context, conversation_history=history, tool_state=walk(context.tool_state))
+    if found:
+        lifetime = ttl if ttl is not None else bus.config.max_timeout + bus.config.record_retention
+        async with bus.redis.pipeline(transaction=False) as pipe:
+            for key, data in found.items():
+                pipe.set(key, data, px=int(lifetime * 1000))
+            await pipe.execute()
+    return offloaded
+
+
+def has_blobs(context: HandoffContext) -> bool:
+    """Whether any content of ``context`` went out of band (cheap: a look at its text)."""
+    return any(ENTRY_REF in e.extra for e in context.conversation_history) or BLOB_REF in repr(context.tool_state)
+
+
+async def restore(bus: HandoffBus, context: HandoffContext) -> HandoffContext:
+    """``context`` with every blob reference replaced by its content."""
+    refs: list[dict[str, Any]] = []
+
+    def collect(value: Any) -> None:
+        if isinstance(value, dict):
+            if isinstance(value.get(BLOB_REF), str):
+                refs.append(value)
+            else:
+                for v in value.values():
+                    collect(v)
+        elif isinstance(value, list):
+            for v in value:
+                collect(v)
+
+    collect(context.tool_state)
+    for entry in context.conversation_history:
+        collect({"_": entry.extra.get(ENTRY_REF)})
+    if not refs:
+        return context
+    keys = sorted({ref[BLOB_REF] for ref in refs})
+    async with bus.redis.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.get(key)
+        values = dict(zip(keys, await pipe.execute(), strict=True))
+
+    def content(ref: dict[str, Any]) -> Any:
+        data = values.get(ref[BLOB_REF])
+        if data is None:
+            raise DecodeError(f"the context's out-of-band content {ref[BLOB_REF]!r} is gone (expired or deleted)")
+        if hashlib.sha256(data).hexdigest() != ref.get("sha256"):
+            raise DecodeError(f"the context's out-of-band content {ref[BLOB_REF]!r} does not match its digest")
+        return data.decode() if ref.get("kind") == "str" else data
+
+    def put_back(value: Any) -> Any:
+        if isinstance(value, dict):
+            return content(value) if isinstance(value.get(BLOB_REF), str) else {k: put_back(v) for k, v in
+                                                                                  value.items()}
+        if isinstance(value, list):
+            return [put_back(v) for v in value]
+        return value
+
+    history = []
+    for entry in context.conversation_history:
+        ref = entry.extra.get(ENTRY_REF)
+        if isinstance(ref, dict):
+            extra = {k: v for k, v in entry.extra.items() if k != ENTRY_REF}
+            entry = msgspec.structs.replace(entry, content=content(ref), extra=extra)
+        history.append(entry)
+    return msgspec.structs.replace(context, conversation_history=history, tool_state=put_back(context.tool_state))

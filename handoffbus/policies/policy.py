@@ -1,0 +1,120 @@
+"""A bus's handoff policy: what every request goes through before anything is queued.
+
+``HandoffBus.connect(url, policy=HandoffPolicy(...))`` (or ``handoffbus worker --scenario``).
+For each request, in this order:
+
+1. **Routes.** When the scenario governs the sender or the target, the route must be one of
+   its edges. Otherwise the request is refused: ``RouteRefused``, code
+   ``ROUTE_NOT_IN_SCENARIO``.
+2. **Loop guards.** These are the hop chain's depth and cycles (codes ``MAX_DEPTH`` and
+   ``CYCLE``; see guards.py).
+3. **The scenario's resolution.** The request's metadata gets ``hb.handoff``: the type
+   (announced or discrete), the greeting the target says on arrival (none when discrete; the
+   return greeting when the conversation was with the target before), whether the context is
+   shared, and the rendered ``context_vars``.
+4. **The context.** Control flags are sanitised out of its metadata and tool state. A route
+   that does not share context passes only the last user message and the reason. The
+   context policy and input filters apply, and large content goes out of band (blobs.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import msgspec
+
+from ..context import HandoffContext, deserialize_context, serialize_context
+from ..errors import HandoffbusError, RouteRefused
+from ..models import HandoffRequest
+from .blobs import offload
+from .context import ContextPolicy, InputFilter, apply_context_policy
+from .guards import check_hops, hops_of
+from .scenario import Scenario, sanitize_shared_context
+
+if TYPE_CHECKING:
+    from ..bus import HandoffBus
+
+__all__ = ["RESOLUTION_KEY", "HandoffPolicy"]
+
+#: metadata key of the scenario's resolution of a handoff (see ``HandoffResolution``)
+RESOLUTION_KEY = "hb.handoff"
+
+
+class HandoffPolicy:
+    def __init__(
+        self,
+        scenario: Scenario | None = None,
+        *,
+        max_depth: int = 5,
+        cycles: Literal["refuse", "allow"] = "refuse",
+        max_visits: int = 2,
+        context: ContextPolicy | None = None,
+        input_filters: Sequence[InputFilter] = (),
+        offload_over: int | None = None,
+    ) -> None:
+        if max_depth < 1 or max_visits < 1 or cycles not in ("refuse", "allow"):
+            raise ValueError("max_depth and max_visits must be at least 1, cycles 'refuse' or 'allow'")
+        if offload_over is not None and offload_over < 1:
+            raise ValueError("offload_over must be a positive number of bytes")
+        self.scenario = scenario
+        self.max_depth = max_depth
+        self.cycles = cycles
+        self.max_visits = max_visits
+        self.context = context
+        self.input_filters = list(input_filters)
+        self.offload_over = offload_over
+
+    def check(self, request: HandoffRequest, handoff_id: str = "-") -> None:
+        """Raise ``RouteRefused`` for a request this policy does not allow (steps 1 and 2)."""
+        sender, target = request.from_agent, request.to_agent
+        scenario = self.scenario
+        if scenario is not None and (scenario.governs(sender) or (target and scenario.governs(target))):
+            if not target:
+                raise RouteRefused(handoff_id, "ROUTE_NOT_IN_SCENARIO", f"scenario {scenario.name!r} routes "
+                                   f"{sender!r}'s handoffs by agent, not by capabilities")
+            if scenario.route(sender, target) is None:
+                allowed = ", ".join(scenario.targets(sender)) or "none"
+                raise RouteRefused(handoff_id, "ROUTE_NOT_IN_SCENARIO", f"scenario {scenario.name!r} has no "
+                                   f"handoff {sender} -> {target} (allowed from {sender}: {allowed})")
+        check_hops(request, handoff_id, max_depth=self.max_depth, cycles=self.cycles, max_visits=self.max_visits)
+
+    async def prepare(self, bus: HandoffBus, request: HandoffRequest, handoff_id: str = "-",
+                      variables: Mapping[str, Any] | None = None) -> HandoffRequest:
+        """The request as it is to be sent (steps 1 to 4); raises ``RouteRefused`` first."""
+        self.check(request, handoff_id)
+        metadata = dict(request.metadata)
+        share = True
+        scenario = self.scenario
+        resolution = None
+        if scenario is not None and request.to_agent and scenario.route(request.from_agent, request.to_agent):
+            visited = [*hops_of(metadata), request.from_agent]
+            resolution = scenario.resolve(request.from_agent, request.to_agent, visited=visited, variables={
+                "handoff_reason": request.reason, **(variables or {})})
+        if resolution is not None:
+            share = resolution.share_context
+            metadata[RESOLUTION_KEY] = msgspec.to_builtins(resolution)
+        snapshot = request.context_snapshot
+        if snapshot is not None:
+            try:
+                context = deserialize_context(snapshot)
+            except HandoffbusError:
+                context = None  # not a sw4rm context: passed on as sent
+            if context is not None:
+                context = await self._shape(bus, request, context, share)
+                snapshot = serialize_context(context)
+        return msgspec.structs.replace(request, metadata=metadata, context_snapshot=snapshot)
+
+    async def _shape(self, bus: HandoffBus, request: HandoffRequest, context: HandoffContext,
+                     share: bool) -> HandoffContext:
+        context = msgspec.structs.replace(
+            context, metadata=sanitize_shared_context(context.metadata),
+            tool_state=sanitize_shared_context(context.tool_state))
+        if not share:
+            last_user = [e for e in context.conversation_history if e.role == "user"][-1:]
+            context = HandoffContext(conversation_history=last_user,
+                                     metadata={"handoff_reason": request.reason})
+        context = await apply_context_policy(context, self.context, self.input_filters)
+        if self.offload_over is not None:
+            context = await offload(bus, request.from_agent, context, threshold=self.offload_over)
+        return context

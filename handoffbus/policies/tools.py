@@ -1,0 +1,131 @@
+"""The handoff tools a model calls, as strict JSON schemas in OpenAI's function-calling format.
+
+- ``handoff_tool``: one ``handoff_to_agent(target_agent, reason)`` tool per agent, whose
+  ``target_agent`` enum is exactly the agents the scenario lets that agent hand off to.
+- ``transfer_tools``: one ``transfer_to_<agent>`` tool per target, in the Agents SDK's
+  naming style; each target may be switched on and off with ``is_enabled`` (a bool, or a
+  callable, plain or async, given the run context).
+- ``request_from_tool_call``: a model's tool call turned into a ``HandoffRequest``. An
+  unknown tool, unknown target or bad arguments raise ``ToolCallError``, whose message is
+  written for the model to read and correct itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from ..errors import HandoffbusError
+from ..models import HandoffRequest
+from .scenario import Scenario
+
+__all__ = ["HANDOFF_TOOL", "ToolCallError", "TransferTarget", "handoff_tool", "request_from_tool_call",
+           "transfer_tool_name", "transfer_tools"]
+
+HANDOFF_TOOL = "handoff_to_agent"
+
+IsEnabled = bool | Callable[[Any], bool] | Callable[[Any], Awaitable[bool]]
+
+
+class ToolCallError(HandoffbusError):
+    """A model's handoff tool call that cannot be made; the message tells the model why and
+    what it may call instead."""
+
+
+class TransferTarget(msgspec.Struct, frozen=True, kw_only=True):
+    """An agent a ``transfer_to_<agent>`` tool hands off to."""
+
+    agent: str
+    description: str = ""
+    is_enabled: Any = True  # IsEnabled: a bool, or a callable (sync or async) of the run context
+
+
+def transfer_tool_name(agent: str) -> str:
+    """``transfer_to_<agent>`` as the Agents SDK names it: lower case, anything but letters,
+    digits and ``_`` turned into ``_``."""
+    return "transfer_to_" + re.sub(r"[^a-z0-9_]", "_", agent.lower())
+
+
+def _function(name: str, description: str, properties: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {
+        "name": name, "description": description, "strict": True,
+        "parameters": {"type": "object", "properties": properties, "required": list(properties),
+                       "additionalProperties": False},
+    }}
+
+
+def handoff_tool(scenario: Scenario, agent: str) -> dict[str, Any] | None:
+    """The unified handoff tool for ``agent``, or None when the scenario gives it no route."""
+    targets = scenario.targets(agent)
+    if not targets:
+        return None
+    conditions = [f"- {r.to_agent}: {r.handoff_condition}" for r in scenario.handoffs
+                  if r.from_agent == agent and r.handoff_condition]
+    description = "Transfer the conversation to another agent." + (
+        "\nWhen to hand off to whom:\n" + "\n".join(conditions) if conditions else "")
+    return _function(HANDOFF_TOOL, description, {
+        "target_agent": {"type": "string", "enum": targets, "description": "the agent to transfer to"},
+        "reason": {"type": "string", "description": "why the handoff is needed (passed on as context)"},
+    })
+
+
+async def transfer_tools(targets: Sequence[TransferTarget], run_context: Any = None) -> list[dict[str, Any]]:
+    """A ``transfer_to_<agent>`` tool for every target enabled now."""
+    tools = []
+    for target in targets:
+        if await _enabled(target.is_enabled, run_context):
+            tools.append(_function(transfer_tool_name(target.agent),
+                                   target.description or f"Handoff to the {target.agent} agent to handle the request.",
+                                   {"reason": {"type": "string", "description": "why the handoff is needed"}}))
+    return tools
+
+
+async def _enabled(flag: Any, run_context: Any) -> bool:
+    if isinstance(flag, bool):
+        return flag
+    if not callable(flag):
+        raise TypeError(f"is_enabled must be a bool or a callable, not {type(flag).__name__}")
+    value = flag(run_context)
+    if inspect.isawaitable(value):
+        value = await value
+    return bool(value)
+
+
+async def request_from_tool_call(
+    name: str, arguments: str | Mapping[str, Any], *, from_agent: str, scenario: Scenario | None = None,
+    targets: Sequence[TransferTarget] = (), run_context: Any = None, **request: Any,
+) -> HandoffRequest:
+    """The ``HandoffRequest`` a model's call of ``handoff_to_agent`` or ``transfer_to_<agent>``
+    asks for (``request`` adds fields such as ``context_snapshot`` or ``priority``)."""
+    try:
+        args = json.loads(arguments) if isinstance(arguments, str) else dict(arguments)
+    except json.JSONDecodeError as exc:
+        raise ToolCallError(f"the arguments of {name} are not valid JSON ({exc.msg}); send an object "
+                            'like {"target_agent": "...", "reason": "..."}') from None
+    if not isinstance(args, dict):
+        raise ToolCallError(f"the arguments of {name} must be a JSON object")
+    reason = args.get("reason", "")
+    if not isinstance(reason, str):
+        raise ToolCallError("reason must be a string")
+    if name == HANDOFF_TOOL:
+        if scenario is None:
+            raise ToolCallError(f"{HANDOFF_TOOL} is not available here")
+        allowed = scenario.targets(from_agent)
+        target = args.get("target_agent")
+        if target not in allowed:
+            raise ToolCallError(f"cannot hand off to {target!r}: from {from_agent} you may hand off to "
+                                f"{', '.join(allowed) or 'no agent'}. Call {HANDOFF_TOOL} again with one of them.")
+    else:
+        by_name = {transfer_tool_name(t.agent): t for t in targets}
+        chosen = by_name.get(name)
+        if chosen is None:
+            raise ToolCallError(f"there is no tool {name!r}; the handoff tools are: {', '.join(by_name) or 'none'}")
+        if not await _enabled(chosen.is_enabled, run_context):
+            raise ToolCallError(f"{name} is not available right now")
+        target = chosen.agent
+    return HandoffRequest(from_agent=from_agent, to_agent=str(target), reason=reason, **request)

@@ -1,0 +1,291 @@
+"""Context policies and input filters, large content out of band, loop guards and
+return-to-sender, the LLM tool surface, and the A2A mapping."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from handoffbus import (
+    ConversationEntry,
+    DecodeError,
+    HandoffContext,
+    HandoffRequest,
+    HandoffStatus,
+    RouteRefused,
+    serialize_context,
+)
+from handoffbus.a2a import A2A_STATES, a2a_state, a2a_task, agent_card
+from handoffbus.models import AgentInfo, WorkerInfo
+from handoffbus.policies import (
+    HOPS_KEY,
+    RETURN_KEY,
+    ContextPolicy,
+    HandoffPolicy,
+    Scenario,
+    ToolCallError,
+    TransferTarget,
+    apply_context_policy,
+    check_hops,
+    handoff_tool,
+    offload,
+    remove_all_tools,
+    request_from_tool_call,
+    restore,
+    transfer_tool_name,
+    transfer_tools,
+)
+from handoffbus.workers import Agent, ReceivedHandoff
+
+from .conftest import make_bus
+from .helpers import req, serving
+
+pytestmark = pytest.mark.anyio
+BANKING = Path(__file__).resolve().parent / "scenarios" / "banking.yaml"
+
+
+def conversation() -> HandoffContext:
+    entries = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "what is my balance?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "function": {"name": "balance"}}]},
+        {"role": "tool", "content": "1200 EUR", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "1200 EUR"},
+        {"role": "user", "content": "and my card limit?"},
+    ]
+    return HandoffContext(conversation_history=[ConversationEntry.from_dict(e) for e in entries],
+                          tool_state={"balance": {"last": 1200}}, metadata={"session": "s-1"})
+
+
+# ---------------------------------------------------------------------- context policies
+
+
+async def test_context_policies() -> None:
+    ctx = conversation()
+    only_last = await apply_context_policy(ctx, ContextPolicy(preserve_history=False))
+    assert [(e.role, e.content) for e in only_last.conversation_history] == [
+        ("system", "be brief"), ("user", "and my card limit?")]
+    no_system = await apply_context_policy(ctx, ContextPolicy(preserve_history=False, transfer_system_message=False))
+    assert [e.role for e in no_system.conversation_history] == ["user"]
+    trimmed = await apply_context_policy(ctx, ContextPolicy(max_history=2))
+    assert [e.content for e in trimmed.conversation_history] == ["1200 EUR", "and my card limit?"]
+    assert trimmed.metadata == {"session": "s-1", "original_history_length": 6, "trimmed": True}
+    untouched = await apply_context_policy(ctx, ContextPolicy(max_history=10))
+    assert "trimmed" not in untouched.metadata and untouched.conversation_history == ctx.conversation_history
+    dropped = await apply_context_policy(ctx, ContextPolicy(drop_tool_results=True))
+    assert [e.role for e in dropped.conversation_history] == ["system", "user", "assistant", "assistant", "user"]
+    with pytest.raises(ValueError):
+        ContextPolicy(max_history=0)
+
+
+async def test_input_filters_sync_async_and_remove_all_tools() -> None:
+    async def redact(ctx: HandoffContext) -> HandoffContext:
+        history = [msgspec.structs.replace(e, content=e.content.replace("1200", "XXXX")) for e in
+                   ctx.conversation_history]
+        return msgspec.structs.replace(ctx, conversation_history=history)
+
+    out = await apply_context_policy(conversation(), None, [remove_all_tools, redact])
+    assert [e.role for e in out.conversation_history] == ["system", "user", "assistant", "user"]
+    assert out.conversation_history[2].content == "XXXX EUR" and out.tool_state == {}
+    with pytest.raises(TypeError, match="returned dict"):
+        await apply_context_policy(conversation(), None, [lambda ctx: {}])  # type: ignore[arg-type,return-value]
+
+
+async def test_large_and_binary_content_goes_out_of_band(real_backend: str, servers: dict) -> None:
+    async with make_bus(real_backend, servers) as bus:
+        big = "x" * 5000
+        ctx = HandoffContext(
+            conversation_history=[ConversationEntry(role="user", content=big),
+                                  ConversationEntry(role="user", content="hi")],
+            tool_state={"scan": b"\x00\x01binary", "report": {"pages": [big, "short"]}})
+        out = await offload(bus, "req", ctx, threshold=1000, ttl=60)
+        assert out.conversation_history[0].content == "" and out.conversation_history[1].content == "hi"
+        ref = out.tool_state["scan"]
+        assert ref["kind"] == "bytes" and ref["$hb_blob"].startswith(f"{bus.keys.prefix}:{{req}}:blob:")
+        assert 0 < await bus.redis.pttl(ref["$hb_blob"]) <= 60_000
+        assert len(serialize_context(out)) < 2000  # the context itself stays small
+        # one key per distinct content: the big string twice is stored once
+        assert len({out.conversation_history[0].extra["hb.blob"]["$hb_blob"],
+                    out.tool_state["report"]["pages"][0]["$hb_blob"]}) == 1
+        back = await restore(bus, out)
+        assert back == ctx
+        await bus.redis.delete(ref["$hb_blob"])
+        with pytest.raises(DecodeError, match="is gone"):
+            await restore(bus, out)
+
+
+# ---------------------------------------------------------------------- loop guards
+
+
+def _hops(frm: str, to: str, hops: list[str], **metadata: Any) -> HandoffRequest:
+    return HandoffRequest(from_agent=frm, to_agent=to, metadata={HOPS_KEY: hops, **metadata})
+
+
+def test_depth_and_cycles() -> None:
+    check_hops(_hops("e", "f", ["a", "b", "c", "d"]))  # the fifth handoff
+    with pytest.raises(RouteRefused) as deep:
+        check_hops(_hops("f", "g", ["a", "b", "c", "d", "e"]))
+    assert deep.value.code == "MAX_DEPTH" and "a -> b -> c -> d -> e -> f" in str(deep.value)
+    with pytest.raises(RouteRefused) as cycle:
+        check_hops(_hops("c", "a", ["a", "b"]))
+    assert cycle.value.code == "CYCLE"
+    check_hops(_hops("c", "a", ["a", "b"]), cycles="allow", max_visits=2)  # a second visit allowed
+    with pytest.raises(RouteRefused, match="CYCLE"):
+        check_hops(_hops("c", "a", ["a", "b", "a", "b"]), cycles="allow", max_visits=2)
+    check_hops(_hops("b", "a", ["a"], **{RETURN_KEY: "a/r-1"}))  # a return is not a cycle
+    with pytest.raises(RouteRefused, match="CYCLE"):  # ... only to the agent that handed over
+        check_hops(_hops("c", "a", ["a", "b"], **{RETURN_KEY: "b/r-2"}))
+    with pytest.raises(RouteRefused, match="BAD_HOP_CHAIN"):
+        check_hops(HandoffRequest(from_agent="a", to_agent="b", metadata={HOPS_KEY: "a"}))
+
+
+class Relay(Agent):
+    """Hands each conversation on to the next agent of ``chain``; the last returns it."""
+
+    def __init__(self, agent_id: str, nxt: str | None) -> None:
+        super().__init__()
+        self.agent_id = agent_id  # type: ignore[misc]
+        self.nxt = nxt
+        self.seen: list[ReceivedHandoff] = []
+        self.errors: list[str] = []
+        self.handled = anyio.Event()
+        self.refused = anyio.Event()
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        self.seen.append(handoff)
+        context = HandoffContext(conversation_history=[ConversationEntry(role="assistant", content=self.agent_id)])
+        try:
+            if self.nxt is None:
+                back = await handoff.return_to_sender(context, reason="done here")
+                return {"returned": back.handoff_id}
+            onward = await handoff.hand_to(self.nxt, reason="next", context=context)
+            return {"onward": onward.handoff_id}
+        except RouteRefused as exc:
+            self.errors.append(exc.code)
+            self.refused.set()
+            return {"refused": exc.code}
+        finally:
+            self.handled.set()
+
+
+async def test_hop_chains_travel_and_the_depth_limit_holds(real_backend: str, servers: dict) -> None:
+    async with make_bus(real_backend, servers, policy=HandoffPolicy(max_depth=3)) as bus:
+        relays = [Relay("r1", "r2"), Relay("r2", "r3"), Relay("r3", "r4"), Relay("r4", None)]
+        first = await bus.client("start").request_handoff(req("start", "r1"))
+        async with serving(bus, *relays):
+            with anyio.fail_after(20):
+                assert (await first.outcome()).status is HandoffStatus.COMPLETED
+                await relays[2].handled.wait()
+    chain = [relay.seen[0].request.metadata.get(HOPS_KEY, []) for relay in relays[:3]]
+    assert chain == [[], ["start"], ["start", "r1"]]
+    assert relays[2].errors == ["MAX_DEPTH"] and relays[3].seen == []
+
+
+async def test_return_to_sender(real_backend: str, servers: dict) -> None:
+    """Each agent hands the conversation back to the one that handed it over: returns are not
+    cycles, so the two agents play it back and forth until the depth limit stops them."""
+    async with make_bus(real_backend, servers, policy=HandoffPolicy(max_depth=5)) as bus:
+        home, away = Relay("home-1", None), Relay("away-1", None)
+        first = await bus.client("home-1").request_handoff(req("home-1", "away-1", reason="go"))
+        async with serving(bus, away, home):
+            with anyio.fail_after(20):
+                assert (await first.outcome()).status is HandoffStatus.COMPLETED
+                await away.refused.wait()
+    handed_back = home.seen[0]
+    assert handed_back.request.from_agent == "away-1" and handed_back.request.to_agent == "home-1"
+    assert handed_back.request.metadata[RETURN_KEY] == first.handoff_id
+    assert handed_back.request.metadata[HOPS_KEY] == ["home-1"]
+    assert handed_back.context is not None and handed_back.context.conversation_history[0].content == "away-1"
+    # depth 1 (home -> away) .. 5 accepted; the sixth handoff, away's third return, is too deep
+    assert (len(away.seen), len(home.seen)) == (3, 2)
+    assert away.errors == ["MAX_DEPTH"] and home.errors == []
+    assert away.seen[-1].request.metadata[HOPS_KEY] == ["home-1", "away-1", "home-1", "away-1"]
+
+
+# ---------------------------------------------------------------------- tools
+
+
+def test_the_unified_handoff_tool_lists_exactly_the_allowed_routes() -> None:
+    scenario = Scenario.load(BANKING)
+    tool = handoff_tool(scenario, "Concierge")
+    assert tool is not None
+    function = tool["function"]
+    assert tool["type"] == "function" and function["name"] == "handoff_to_agent" and function["strict"] is True
+    parameters = function["parameters"]
+    assert parameters["additionalProperties"] is False and parameters["required"] == ["target_agent", "reason"]
+    assert parameters["properties"]["target_agent"]["enum"] == ["AuthAgent", "InvestmentAdvisor", "CardRecommendation"]
+    assert "InvestmentAdvisor: User asks about investments" in function["description"]
+    assert handoff_tool(scenario, "InvestmentAdvisor")["function"]["parameters"]["properties"][  # type: ignore[index]
+        "target_agent"]["enum"] == ["Concierge"]
+    assert handoff_tool(Scenario.from_yaml("name: s\nstart_agent: A\nagents: [A]"), "A") is None
+
+
+async def test_transfer_tools_and_is_enabled() -> None:
+    async def after_hours(run: dict[str, Any]) -> bool:
+        return bool(run["after_hours"])
+
+    targets = [TransferTarget(agent="Billing Desk", description="billing questions"),
+               TransferTarget(agent="fraud-1", is_enabled=lambda run: run["verified"]),
+               TransferTarget(agent="night-1", is_enabled=after_hours),
+               TransferTarget(agent="off-1", is_enabled=False)]
+    tools = await transfer_tools(targets, {"verified": True, "after_hours": False})
+    assert [t["function"]["name"] for t in tools] == ["transfer_to_billing_desk", "transfer_to_fraud_1"]
+    assert tools[0]["function"]["description"] == "billing questions"
+    assert transfer_tool_name("Billing Desk") == "transfer_to_billing_desk"
+    made = await request_from_tool_call("transfer_to_fraud_1", '{"reason": "card stolen"}', from_agent="triage-1",
+                                        targets=targets, run_context={"verified": True}, priority=1)
+    assert (made.to_agent, made.reason, made.priority) == ("fraud-1", "card stolen", 1)
+    with pytest.raises(ToolCallError, match="not available right now"):
+        await request_from_tool_call("transfer_to_fraud_1", {}, from_agent="t", targets=targets,
+                                     run_context={"verified": False})
+
+
+async def test_tool_calls_become_requests_or_errors_the_model_can_read() -> None:
+    scenario = Scenario.load(BANKING)
+    made = await request_from_tool_call("handoff_to_agent", json.dumps(
+        {"target_agent": "AuthAgent", "reason": "verify"}), from_agent="Concierge", scenario=scenario)
+    assert (made.from_agent, made.to_agent, made.reason) == ("Concierge", "AuthAgent", "verify")
+    with pytest.raises(ToolCallError) as unknown:
+        await request_from_tool_call("handoff_to_agent", {"target_agent": "FraudAgent", "reason": "?"},
+                                     from_agent="Concierge", scenario=scenario)
+    message = str(unknown.value)
+    assert "cannot hand off to 'FraudAgent'" in message
+    assert "AuthAgent, InvestmentAdvisor, CardRecommendation" in message
+    with pytest.raises(ToolCallError, match="not valid JSON"):
+        await request_from_tool_call("handoff_to_agent", "{oops", from_agent="Concierge", scenario=scenario)
+    with pytest.raises(ToolCallError, match="there is no tool 'delete_everything'"):
+        await request_from_tool_call("delete_everything", {}, from_agent="Concierge")
+
+
+# ---------------------------------------------------------------------- A2A
+
+
+async def test_a2a_states_tasks_and_agent_cards(real_backend: str, servers: dict) -> None:
+    assert set(A2A_STATES) == set(HandoffStatus)
+    assert a2a_state(HandoffStatus.EXPIRED) == ("failed", {"handoffbus.status": "EXPIRED",
+                                                           "reason": "not accepted before its deadline"})
+    assert a2a_state(HandoffStatus.CANCELLED)[0] == "canceled"
+    async with make_bus(real_backend, servers) as bus:
+        client, target = bus.client("req"), bus.client("echo-1")
+        handle = await client.request_handoff(req("req", "echo-1"))
+        await target.accept_handoff(handle.handoff_id)
+        await target.complete_handoff(handle.handoff_id, result={"answer": 42})
+        record = await handle.status()
+    assert record is not None
+    task = a2a_task(record)
+    assert task["kind"] == "task" and task["id"] == handle.handoff_id
+    assert task["status"]["state"] == "completed" and task["status"]["timestamp"].endswith("Z")
+    assert [m["parts"][0]["text"] for m in task["history"]] == ["PENDING", "ACCEPTED", "COMPLETED"]
+    assert task["artifacts"][0]["parts"] == [{"kind": "data", "data": {"answer": 42}}]
+    info = AgentInfo(agent_id="security-reviewer-1", capabilities=["code_review", "security_analysis"],
+                     workers=[WorkerInfo(consumer="w-1", state="RUNNABLE", load=0, limit=8)])
+    card = agent_card(info, "https://agents.example.com/security-reviewer-1")
+    for field in ("protocolVersion", "name", "description", "url", "version", "capabilities",
+                  "defaultInputModes", "defaultOutputModes", "skills"):
+        assert field in card
+    assert [s["id"] for s in card["skills"]] == ["code_review", "security_analysis"]
