@@ -50,10 +50,29 @@ def load_agent_class(spec: str) -> type[Agent]:
     return agent_class
 
 
+def load_sdk_agent(spec: str) -> Agent:
+    """``module:attribute[=agent-id]`` naming an Agents SDK ``Agent``, wrapped to be served."""
+    from ..integrations.openai_agents import SdkAgent
+
+    target, _, agent_id = spec.partition("=")
+    module_name, _, attribute = target.partition(":")
+    try:
+        found = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError, ValueError) as exc:
+        usage_error(f"cannot load {target!r}: {exc}")
+    try:
+        from agents import Agent as SdkAgentClass
+    except ImportError:
+        usage_error("--openai-agent needs the Agents SDK: pip install 'handoffbus[agents]'")
+    if not isinstance(found, SdkAgentClass):
+        usage_error(f"{target!r} is not an Agents SDK Agent")
+    return SdkAgent(found, agent_id or None)
+
+
 def worker(
     ctx: typer.Context,
-    agents: Annotated[list[str], typer.Argument(
-        metavar="AGENT...", help="Agent subclasses to serve in this process, as module.path:ClassName")],
+    agents: Annotated[list[str] | None, typer.Argument(
+        metavar="[AGENT]...", help="Agent subclasses to serve in this process, as module.path:ClassName")] = None,
     concurrency: Annotated[int, typer.Option(help="handoffs handled at once, per agent")] = 8,
     grace: Annotated[float, typer.Option(help="seconds running handlers get to finish on SIGTERM")] = 30.0,
     reclaim_idle: Annotated[float, typer.Option(
@@ -63,6 +82,9 @@ def worker(
     metrics_port: Annotated[int | None, typer.Option(
         help="serve Prometheus metrics on this port (needs the 'metrics' extra)")] = None,
     metrics_address: Annotated[str, typer.Option(help="address the metrics server listens on")] = "0.0.0.0",
+    openai_agent: Annotated[list[str] | None, typer.Option(
+        help="an OpenAI Agents SDK Agent to serve, as module.path:attribute[=agent-id] (repeatable; needs the "
+        "'agents' extra)")] = None,
     scenario: Annotated[str | None, typer.Option(
         help="a scenario YAML: these agents hand off only along its routes (needs the 'scenarios' extra)")] = None,
     isolated: Annotated[bool, typer.Option(
@@ -73,13 +95,16 @@ def worker(
     """Serve Agent classes until SIGTERM/SIGINT: the first drains, a second stops at once."""
     opts = options(ctx, redis_url, prefix)
     url = opts.url("worker")
-    classes = [load_agent_class(spec) for spec in agents]
-    if isolated and len(classes) != 1:
+    classes = [load_agent_class(spec) for spec in agents or []]
+    sdk_agents = [load_sdk_agent(spec) for spec in openai_agent or []]
+    if not classes and not sdk_agents:
+        usage_error("name an Agent class to serve, or an SDK agent with --openai-agent")
+    if isolated and len(classes) + len(sdk_agents) != 1:
         usage_error("--isolated serves one agent per process: its bus connects as that agent's user")
     if concurrency < 1:
         usage_error("--concurrency must be at least 1")
     _logging()
-    instances = [agent_class() for agent_class in classes]
+    instances = [agent_class() for agent_class in classes] + sdk_agents
     registry = None
     if metrics_port is not None:
         from ..metrics import serve_metrics

@@ -1,0 +1,2 @@
+"""Bridges to agent frameworks: ``openai_agents`` (the OpenAI Agents SDK). The A2A views are
+in ``handoffbus.a2a``."""

@@ -1,0 +1,101 @@
+"""The OpenAI Agents SDK bridge, offline on the SDK's scripted model, across two real
+processes: an SDK agent in this process hands the conversation to a remote agent, which is
+an SDK agent served by ``handoffbus worker --openai-agent`` in another process."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+
+import anyio
+import pytest
+from agents import Agent, Runner, handoff
+from agents.extensions import handoff_filters
+from agents.testing import ScriptedModel, function_call
+
+from handoffbus import HandoffContext, HandoffStatus, deserialize_context
+from handoffbus.integrations.openai_agents import context_to_items, items_to_context, remote_agent
+
+from .conftest import make_bus
+from .helpers import ROOT
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(autouse=True)
+def no_sdk_tracing(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Offline: the SDK exports no traces (it would try OpenAI's endpoint)."""
+    monkeypatch.setenv("OPENAI_AGENTS_DISABLE_TRACING", "1")
+    from agents import set_tracing_disabled
+
+    set_tracing_disabled(True)
+    yield
+    set_tracing_disabled(False)
+
+
+def test_items_and_contexts_convert_both_ways() -> None:
+    items = [
+        {"role": "user", "content": "I was charged twice"},
+        {"type": "function_call", "call_id": "call-1", "name": "lookup", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call-1", "output": "two charges of 20 EUR"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check."}]},
+    ]
+    context = items_to_context(items, reason="billing")
+    assert [(e.role, e.content) for e in context.conversation_history] == [
+        ("user", "I was charged twice"), ("assistant", ""), ("tool", "two charges of 20 EUR"),
+        ("assistant", "Let me check.")]
+    assert context.conversation_history[1].extra["tool_calls"][0]["function"]["name"] == "lookup"
+    assert context_to_items(context) == items  # the SDK's own items came along
+    rebuilt = context_to_items(HandoffContext(conversation_history=context.conversation_history))
+    assert rebuilt[0] == {"role": "user", "content": "I was charged twice"}
+    assert rebuilt[1]["type"] == "function_call" and rebuilt[2]["type"] == "function_call_output"
+    assert context_to_items(None, "why") == [{"role": "user", "content": "why"}]
+
+
+@asynccontextmanager
+async def sdk_worker(url: str, prefix: str) -> AsyncIterator[None]:
+    """``handoffbus worker --openai-agent tests.sdk_agents:billing=billing-1``, in its own process."""
+    process = await anyio.open_process(
+        [sys.executable, "-m", "handoffbus", "worker", "--openai-agent", "tests.sdk_agents:billing=billing-1",
+         "--redis-url", url, "--prefix", prefix],
+        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", "OPENAI_AGENTS_DISABLE_TRACING": "1"})
+    try:
+        assert process.stdout is not None
+        with anyio.fail_after(30):
+            assert b"serving billing-1" in await process.stdout.receive()
+        yield
+    finally:
+        process.terminate()
+        with anyio.fail_after(30):
+            assert await process.wait() == 0
+        await process.aclose()
+
+
+async def test_an_sdk_handoff_to_an_agent_in_another_process(servers: dict) -> None:
+    async with make_bus("valkey", servers) as bus, sdk_worker(servers["valkey"].url, bus.config.prefix):
+        billing = remote_agent(bus, "triage-1", "billing-1", name="billing-1")
+        triage = Agent(name="triage-1", instructions="Route customers.", handoffs=[billing],
+                       model=ScriptedModel([[function_call("transfer_to_billing_1", {}, call_id="call-h1")]]))
+        with anyio.fail_after(30):
+            result = await Runner.run(triage, "I was charged twice for my order")
+        # the same with the SDK's input filter: only the messages cross
+        remote = remote_agent(bus, "triage-2", "billing-1", name="billing-1")
+        filtered = Agent(name="triage-2", handoffs=[handoff(remote, input_filter=handoff_filters.remove_all_tools)],
+                         model=ScriptedModel([[function_call("transfer_to_billing_1", {}, call_id="call-h2")]]))
+        with anyio.fail_after(30):
+            plain = await Runner.run(filtered, "refund please")
+        entries = await bus.redis.xrange(bus.keys.responses("triage-1"))
+        [handoff_id] = {fields[b"id"].decode() for _, fields in entries}
+        record = await bus.client("triage-1").get_handoff_status(handoff_id)
+    # the remote SDK agent saw the conversation: the user's message, the handoff call and its output
+    assert result.last_agent.name == "billing-1"
+    assert result.final_output == ("billing saw 3 items ['function_call', 'function_call_output', 'message']; "
+                                   "the customer said: I was charged twice for my order")
+    assert record is not None and record.status is HandoffStatus.COMPLETED and record.request.to_agent == "billing-1"
+    assert record.response.result == {"output": result.final_output, "agent": "Billing Agent"}
+    context = deserialize_context(record.request.context_snapshot or b"")
+    assert [e.role for e in context.conversation_history] == ["user", "assistant", "tool"]
+    assert context.conversation_history[0].content == "I was charged twice for my order"
+    assert plain.final_output == "billing saw 1 items ['message']; the customer said: refund please"
