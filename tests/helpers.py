@@ -33,6 +33,24 @@ async def start_worker(url: str, prefix: str, agent: str, *extra: str) -> tuple[
     return process, lines
 
 
+@asynccontextmanager
+async def handoffbus_process(*args: str, ready: bytes, env: dict[str, str] | None = None) -> AsyncIterator[Process]:
+    """A ``handoffbus`` command in its own process, once it printed ``ready``; stopped with
+    SIGTERM after the block, which it must answer by exiting 0."""
+    process = await anyio.open_process([sys.executable, "-m", "handoffbus", *args], cwd=ROOT,
+                                       env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    try:
+        assert process.stdout is not None
+        with anyio.fail_after(30):
+            assert ready in await process.stdout.receive()
+        yield process
+    finally:
+        process.terminate()
+        with anyio.fail_after(30):
+            assert await process.wait() == 0
+        await process.aclose()
+
+
 def req(frm: str, to: str, **kw: Any) -> HandoffRequest:
     kw.setdefault("reason", "test")
     kw.setdefault("timeout", 60.0)

@@ -3,12 +3,9 @@
 
 from __future__ import annotations
 
-import os
 import socket
-import sys
 import urllib.request
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -21,7 +18,7 @@ from handoffbus.metrics import Metrics
 
 from .agents import Echo, Faulty
 from .conftest import make_bus
-from .helpers import ROOT, req, serving
+from .helpers import handoffbus_process, req, serving
 
 pytestmark = pytest.mark.anyio
 
@@ -77,23 +74,6 @@ def _scrape(port: int) -> Scraped:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-@asynccontextmanager
-async def handoffbus(*args: str, ready: bytes, env: dict[str, str] | None = None) -> AsyncIterator[None]:
-    """A ``handoffbus`` process, once it printed ``ready``; stopped with SIGTERM after, exiting 0."""
-    process = await anyio.open_process([sys.executable, "-m", "handoffbus", *args], cwd=ROOT,
-                                       env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-    try:
-        assert process.stdout is not None
-        with anyio.fail_after(30):
-            assert ready in await process.stdout.receive()
-        yield
-    finally:
-        process.terminate()
-        with anyio.fail_after(30):
-            assert await process.wait() == 0
-        await process.aclose()
-
-
 async def scrape_until(port: int, done: Callable[[Scraped], bool]) -> Scraped:
     """Scrape until ``done`` says the other process has shown what the test waits for."""
     with anyio.fail_after(20):
@@ -111,7 +91,7 @@ async def test_a_worker_process_serves_its_metrics(servers: dict, multiprocess: 
     # prometheus_client's multiprocess mode: values go through files in this directory
     env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)} if multiprocess else {}
     echo = (("agent", "echo-1"),)
-    async with make_bus("valkey", servers) as bus, handoffbus(
+    async with make_bus("valkey", servers) as bus, handoffbus_process(
             "worker", "tests.agents:Echo", "--redis-url", server.url, "--prefix", bus.config.prefix,
             "--metrics-port", str(port), "--metrics-address", "127.0.0.1", ready=b"serving", env=env):
         client = bus.client("req")
@@ -148,7 +128,7 @@ async def test_the_exporter_sees_agents_without_live_workers(servers: dict) -> N
     orphan = (("agent", "orphan-1"),)
     async with make_bus("valkey", servers) as bus:
         await bus.client("req").request_handoff(req("req", "orphan-1"))
-        async with handoffbus("exporter", "--port", str(port), "--address", "127.0.0.1", "--interval", "0.2",
+        async with handoffbus_process("exporter", "--port", str(port), "--address", "127.0.0.1", "--interval", "0.2",
                               "--redis-url", server.url, "--prefix", bus.config.prefix, ready=b"exporter serving"):
             scraped = await scrape_until(port, lambda found: ("handoffbus_queue_depth", orphan) in found)
     assert scraped[("handoffbus_queue_depth", orphan)] == 1

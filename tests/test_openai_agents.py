@@ -4,10 +4,8 @@ an SDK agent served by ``handoffbus worker --openai-agent`` in another process."
 
 from __future__ import annotations
 
-import os
-import sys
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
+from contextlib import AbstractAsyncContextManager
 
 import anyio
 import pytest
@@ -19,7 +17,7 @@ from handoffbus import HandoffContext, HandoffStatus, deserialize_context
 from handoffbus.integrations.openai_agents import context_to_items, items_to_context, remote_agent
 
 from .conftest import make_bus
-from .helpers import ROOT
+from .helpers import handoffbus_process
 
 pytestmark = pytest.mark.anyio
 
@@ -54,23 +52,11 @@ def test_items_and_contexts_convert_both_ways() -> None:
     assert context_to_items(None, "why") == [{"role": "user", "content": "why"}]
 
 
-@asynccontextmanager
-async def sdk_worker(url: str, prefix: str) -> AsyncIterator[None]:
+def sdk_worker(url: str, prefix: str) -> AbstractAsyncContextManager[object]:
     """``handoffbus worker --openai-agent tests.sdk_agents:billing=billing-1``, in its own process."""
-    process = await anyio.open_process(
-        [sys.executable, "-m", "handoffbus", "worker", "--openai-agent", "tests.sdk_agents:billing=billing-1",
-         "--redis-url", url, "--prefix", prefix],
-        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", "OPENAI_AGENTS_DISABLE_TRACING": "1"})
-    try:
-        assert process.stdout is not None
-        with anyio.fail_after(30):
-            assert b"serving billing-1" in await process.stdout.receive()
-        yield
-    finally:
-        process.terminate()
-        with anyio.fail_after(30):
-            assert await process.wait() == 0
-        await process.aclose()
+    return handoffbus_process("worker", "--openai-agent", "tests.sdk_agents:billing=billing-1", "--redis-url", url,
+                              "--prefix", prefix, ready=b"serving billing-1",
+                              env={"OPENAI_AGENTS_DISABLE_TRACING": "1"})
 
 
 async def test_an_sdk_handoff_to_an_agent_in_another_process(servers: dict) -> None:
