@@ -33,3 +33,16 @@ def test_worker_process_benchmark_runs(tmp_path: Path) -> None:
         assert r["problems"] == {} and r["n"] == 200 and r["handoffs_per_s"] > 0
         # every worker (and an isolated run's forwarder) stopped cleanly on SIGTERM
         assert r["exit_codes"] == [0] * (r["processes"] + (r["mode"] == "isolated"))
+
+
+def test_the_suite_runs_every_case(tmp_path: Path) -> None:
+    result = run_script("suite.py", tmp_path / "suite.json", "--n", "200", "--warmup", "50", "--queued", "300",
+                        "--memory-count", "200")
+    names = [c["case"]["name"] for c in result["cases"]]
+    assert names == ["direct", "4 workers", "routed", "64 KB plain", "64 KB gzip", "10,000 queued", "idle"]
+    for case in result["cases"]:
+        assert case["problems"] == {} and case["handoffs_per_s"] > 0, case["case"]["name"]
+        assert case["exit_codes"] == [0] * case["case"]["processes"]
+    assert result["commands"]["per_lifecycle"] > 2 and "EVALSHA" in result["commands"]["by_command"]
+    assert result["memory"]["envelope_bytes"] > 1000 and result["memory"]["used_memory_per_handoff"] > 0
+    assert set(result["met"]) == set(result["measured"])
