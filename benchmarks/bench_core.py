@@ -628,9 +628,15 @@ def report(result: dict[str, Any], render: Callable[[dict[str, Any]], str], path
     print(f"\nwrote {out}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+def benchmark_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The arguments every benchmark script shares (its docstring's first paragraph, ``--url``)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0] if doc else None)
     parser.add_argument("--url", help="server to use (default: start an EmbeddedServer on a unix socket)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--n", type=int, default=5000, help="measured round trips / handoffs (default 5000)")
     parser.add_argument("--inflight", type=int, default=100, help="outstanding at any time (default 100)")
     parser.add_argument("--payload", type=int, default=1024, help="request payload / context bytes (default 1024)")

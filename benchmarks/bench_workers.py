@@ -38,6 +38,7 @@ from anyio.abc import Process
 from bench_core import (
     _loadavg,
     _nothing,
+    benchmark_parser,
     ceiling_round,
     latency_ms,
     median_run,
@@ -234,8 +235,7 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--url", help="server to use (default: start an EmbeddedServer on a unix socket)")
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--processes", default="1,4", help="worker process counts to run (default 1,4)")
     parser.add_argument("--modes", default="direct,routed",
                         help="direct (to_agent named), routed (by capability) and/or isolated (direct, between "

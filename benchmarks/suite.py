@@ -38,6 +38,7 @@ import redis.asyncio as aioredis
 from bench_core import (
     _loadavg,
     _nothing,
+    benchmark_parser,
     ceiling_round,
     median_run,
     padded_context,
@@ -303,8 +304,7 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--url", help="server to use (default: start an EmbeddedServer on a unix socket)")
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--n", type=int, default=5000, help="measured handoffs of the base cases (default 5000)")
     parser.add_argument("--rounds", type=int, default=1, help="measured rounds per case; the median is shown")
     parser.add_argument("--concurrency", type=int, default=64, help="--concurrency of each worker (default 64)")
