@@ -144,13 +144,15 @@ class HandoffClient:
         request = self._normalize(request)
         if not request.to_agent and fail_fast and self._bus.isolated is not None:
             raise InvalidRequest("fail_fast needs the live agents, which an isolated agent cannot read")
+        handoff_id = join_handoff_id(self.agent_id, request.request_id)
         if self._bus.policy is not None:
-            handoff_id = join_handoff_id(self.agent_id, request.request_id)
             request = await self._bus.policy.prepare(self._bus, request, handoff_id, variables)
+        if not tracing.active():  # the common case: nothing to record, nothing to carry
+            return await self._request(request, fail_fast)
         keys = self._bus.keys
         destination = (keys.target(request.to_agent).inbox if request.to_agent
                        else keys.route(set_id(capability_set(request.capabilities_required))).queue)
-        with tracing.send_span(destination, join_handoff_id(self.agent_id, request.request_id)):
+        with tracing.send_span(destination, handoff_id):
             traced = tracing.with_trace_context(request.metadata)
             if traced != request.metadata:
                 request = msgspec.structs.replace(request, metadata=traced)

@@ -15,12 +15,16 @@ keep the largest value.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import anyio
+from redis.exceptions import RedisError
+
 from .errors import HandoffbusError
-from .monitor import observe_agents
+from .monitor import known_agents, observe_agents
 from .stats import BUCKETS
 
 if TYPE_CHECKING:
@@ -28,6 +32,8 @@ if TYPE_CHECKING:
     from .workers import Worker
 
 __all__ = ["Metrics", "serve_metrics"]
+
+log = logging.getLogger("handoffbus")
 
 prom: Any
 try:
@@ -103,6 +109,18 @@ class Metrics:
         for agent, beat_ms in beats:
             if beat_ms:
                 self.heartbeat.labels(agent).set(beat_ms / 1000)
+
+
+    async def keep_fresh(self, interval: float, agents: Sequence[str] | None = None,
+                         workers: Sequence[Worker] = ()) -> None:
+        """``refresh`` every ``interval`` seconds, for ever: of ``agents``, or of every agent the
+        bus knows (what ``handoffbus exporter`` reports) when None."""
+        while True:
+            try:
+                await self.refresh(agents if agents is not None else await known_agents(self._bus), workers)
+            except (RedisError, OSError, HandoffbusError) as exc:
+                log.warning("metrics refresh failed (%s)", exc)
+            await anyio.sleep(interval)  # a timer
 
 
 def serve_metrics(port: int, address: str = "0.0.0.0") -> Any:

@@ -12,7 +12,6 @@ from typing import Annotated, Any
 
 import anyio
 import typer
-from redis.exceptions import RedisError
 
 from ..bus import HandoffBus
 from ..errors import HandoffbusError
@@ -33,6 +32,13 @@ def register(app: typer.Typer) -> None:
     app.command("demo")(demo)
     app.command("acl")(acl)
     app.command("exporter")(exporter)
+
+
+async def _signalled() -> None:
+    """Return at the first SIGTERM or SIGINT."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            return
 
 
 def _logging() -> None:
@@ -136,26 +142,15 @@ async def _worker(opts: Options, url: str, agents: list[Agent], concurrency: int
             print(f"worker {w.consumer} serving {w.agent.agent_id}", flush=True)
         async with anyio.create_task_group() as tg:
             if registry is not None:
-                tg.start_soon(_refresh_metrics, bus, registry, workers)
+                from ..metrics import Metrics
+
+                agents_served = sorted({w.agent.agent_id for w in workers})
+                tg.start_soon(Metrics(bus, registry).keep_fresh, METRICS_REFRESH, agents_served, workers)
             await serve_until_signalled(workers)
             tg.cancel_scope.cancel()
         for w in workers:
             print(f"worker {w.consumer} drained: {dict(w.handled)}", flush=True)
     return EXIT_OK
-
-
-async def _refresh_metrics(bus: HandoffBus, registry: Any, workers: list[Worker]) -> None:
-    """Keep the gauges of the served agents fresh (the counters count as things happen)."""
-    from ..metrics import Metrics
-
-    metrics = Metrics(bus, registry)
-    agents = sorted({w.agent.agent_id for w in workers})
-    while True:
-        try:
-            await metrics.refresh(agents, workers)
-        except (RedisError, OSError, HandoffbusError) as exc:
-            logging.getLogger("handoffbus").warning("metrics refresh failed (%s)", exc)
-        await anyio.sleep(METRICS_REFRESH)  # a timer
 
 
 def forwarder(
@@ -177,9 +172,7 @@ async def _forwarder(opts: Options, agents: list[str]) -> int:
     async with open_bus(opts, "forwarder") as bus, anyio.create_task_group() as tg:
         await tg.start(Forwarder(bus, agents).run)
         print(f"forwarder serving prefix {opts.prefix}", flush=True)
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for _ in signals:
-                break  # nothing is held: an unanswered outbox entry is answered by the next forwarder
+        await _signalled()  # nothing is held: an unanswered outbox entry is answered by the next forwarder
         tg.cancel_scope.cancel()
     return EXIT_OK
 
@@ -253,23 +246,10 @@ def exporter(
 
 async def _exporter(opts: Options, registry: Any, interval: float) -> int:
     from ..metrics import Metrics
-    from ..monitor import known_agents
 
     async with open_bus(opts, "exporter") as bus, anyio.create_task_group() as tg:
-        metrics = Metrics(bus, registry)
-
-        async def refresh() -> None:
-            while True:
-                try:
-                    await metrics.refresh(await known_agents(bus))
-                except (RedisError, OSError, HandoffbusError) as exc:
-                    logging.getLogger("handoffbus").warning("metrics refresh failed (%s)", exc)
-                await anyio.sleep(interval)  # a timer
-
-        tg.start_soon(refresh)
+        tg.start_soon(Metrics(bus, registry).keep_fresh, interval)
         print(f"exporter serving prefix {opts.prefix}", flush=True)
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for _ in signals:
-                break
+        await _signalled()
         tg.cancel_scope.cancel()
     return EXIT_OK

@@ -31,6 +31,7 @@ __all__ = ["BLOB_REF", "has_blobs", "offload", "restore"]
 BLOB_REF = "$hb_blob"
 #: entries whose content went out of band say so in their extra fields
 ENTRY_REF = "hb.blob"
+_BLOB_REF_JSON = f'"{BLOB_REF}"'.encode()
 
 
 def _ref(bus: HandoffBus, requester: str, data: bytes, kind: str, found: dict[str, bytes]) -> dict[str, Any]:
@@ -73,9 +74,10 @@ async def offload(bus: HandoffBus, requester: str, context: HandoffContext, *, t
     return offloaded
 
 
-def has_blobs(context: HandoffContext) -> bool:
-    """Whether any content of ``context`` went out of band (cheap: a look at its text)."""
-    return any(ENTRY_REF in e.extra for e in context.conversation_history) or BLOB_REF in repr(context.tool_state)
+def has_blobs(snapshot: bytes | None) -> bool:
+    """Whether a serialized context refers to out-of-band content (a substring search of its
+    JSON: every reference, message or tool state, carries the ``$hb_blob`` key)."""
+    return snapshot is not None and _BLOB_REF_JSON in snapshot
 
 
 async def restore(bus: HandoffBus, context: HandoffContext) -> HandoffContext:

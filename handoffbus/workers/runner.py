@@ -284,7 +284,7 @@ class Worker:
         restored = await self._inbox.restore()
         if restored:
             self._log.warning("%s: the consumer group of %s was deleted; recreated it and re-issued %d in-flight "
-                        "handoffs from their records", self.consumer, self.agent.agent_id, restored)
+                              "handoffs from their records", self.consumer, self.agent.agent_id, restored)
 
     async def wait_reclaim_pass(self) -> None:
         """Return after the reclaim loop's next look for idle entries (for operators and tests)."""
@@ -491,7 +491,7 @@ class Worker:
         while True:
             try:
                 received = ReceivedHandoff.of(hid, request, attempt, renew, client)
-                if received.context is not None and has_blobs(received.context):
+                if received.context is not None and has_blobs(request.context_snapshot):
                     received = msgspec.structs.replace(received, context=await restore(self.bus, received.context))
                 result = await _call(self.agent.on_handoff_received, received)
                 break
