@@ -55,6 +55,7 @@ from handoffbus import (
     HandoffStatus,
     serialize_context,
 )
+from handoffbus.eventloop import backend_options, uses_uvloop
 from handoffbus.scripts import SCRIPT_NAMES
 from handoffbus.workers.inbox import Delivery, Inbox
 
@@ -519,7 +520,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                    "rounds": args.rounds, "pool": pool_options},
         "environment": {**server_desc, "python": platform.python_version(), "redis_py": redis.__version__,
                         "hiredis": _has_hiredis(), "platform": platform.platform(), "cpus": os.cpu_count(),
-                        "loadavg_after": _loadavg()},
+                        "uvloop": uses_uvloop(),                        "loadavg_after": _loadavg()},
         "ceiling": ceiling,
         "bare_ceiling": bare,
         "ours": ours,
@@ -651,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.n <= 0 or args.inflight <= 0 or args.rounds <= 0 or args.payload < 0:
         parser.error("--n, --inflight and --rounds must be positive, --payload non-negative")
-    report(anyio.run(run, args, backend="asyncio"), render, args.json)
+    report(anyio.run(run, args, backend="asyncio", backend_options=backend_options()), render, args.json)
     return 0
 
 

@@ -49,6 +49,7 @@ from bench_core import (
 )
 
 from handoffbus import EmbeddedServer, HandoffBus, HandoffRequest, HandoffStatus
+from handoffbus.eventloop import backend_options, uses_uvloop
 from handoffbus.workers import Agent, ReceivedHandoff
 
 HERE = Path(__file__).resolve().parent
@@ -203,7 +204,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                    "concurrency_per_process": args.concurrency, "payload": args.payload,
                    "context_bytes": len(context), "warmup": args.warmup, "rounds": args.rounds},
         "environment": {**desc, "python": platform.python_version(), "redis_py": redis.__version__,
-                        "cpus": os.cpu_count(), "loadavg_after": _loadavg()},
+                        "cpus": os.cpu_count(), "uvloop": uses_uvloop(), "loadavg_after": _loadavg()},
         "bare_ceiling": bare, "batched_ceiling": batched, "workers": results,
     }
 
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--modes takes direct, routed and/or isolated")
     if min(args.processes) <= 0 or args.n <= 0 or args.inflight <= 0 or args.rounds <= 0 or args.concurrency <= 0:
         parser.error("--processes, --n, --inflight, --concurrency and --rounds must be positive")
-    report(anyio.run(run, args, backend="asyncio"), render, args.json)
+    report(anyio.run(run, args, backend="asyncio", backend_options=backend_options()), render, args.json)
     return 0
 
 

@@ -49,6 +49,7 @@ from bench_core import (
 from bench_workers import REQUESTER, handoff_round, process_cpu_s, start_workers, stop_workers
 
 from handoffbus import EmbeddedServer, HandoffBus, HandoffRequest
+from handoffbus.eventloop import backend_options, uses_uvloop
 from handoffbus.keys import Keys
 
 
@@ -248,7 +249,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {"url": args.url or "embedded (unix socket)", "n": args.n, "rounds": args.rounds,
                    "concurrency_per_process": args.concurrency, "warmup": args.warmup},
         "environment": {**desc, "python": platform.python_version(), "redis_py": redis.__version__,
-                        "cpus": os.cpu_count(), "loadavg_after": _loadavg()},
+                        "cpus": os.cpu_count(), "uvloop": uses_uvloop(), "loadavg_after": _loadavg()},
         "batched_ceiling": batched, "cases": cases, "commands": commands, "memory": memory,
         "targets": TARGETS, "measured": measured, "met": met,
     }
@@ -317,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.n, args.rounds, args.concurrency, args.warmup, args.queued, args.memory_count) <= 0:
         parser.error("--n, --rounds, --concurrency, --warmup, --queued and --memory-count must be positive")
-    report(anyio.run(run, args, backend="asyncio"), render, args.json)
+    report(anyio.run(run, args, backend="asyncio", backend_options=backend_options()), render, args.json)
     return 0
 
 

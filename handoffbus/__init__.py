@@ -55,6 +55,7 @@ from .workers import ReceivedHandoff as ReceivedHandoff
 from .workers import Reject as Reject
 from .workers import RetryPolicy as RetryPolicy
 from .workers import Worker as Worker
+from .workers import inline as inline
 from .workers import serve_until_signalled as serve_until_signalled
 
 __all__ = [
@@ -109,6 +110,7 @@ __all__ = [
     "WorkerInfo",
     "context_json_schema",
     "deserialize_context",
+    "inline",
     "serialize_context",
     "serve_until_signalled",
 ]

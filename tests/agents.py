@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 
 from handoffbus import HandoffRequest, LeaseLost, RouteRefused
-from handoffbus.workers import Accept, Agent, ReceivedHandoff, Reject, RetryPolicy
+from handoffbus.workers import Accept, Agent, ReceivedHandoff, Reject, RetryPolicy, inline
 
 
 class Echo(Agent):
@@ -47,6 +47,17 @@ class SyncEcho(Agent):
     def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
         self.threads.add(threading.get_ident())
         return handoff.request.reason.upper()
+
+
+class InlineEcho(SyncEcho):
+    """SyncEcho whose acceptance hook is marked inline: the worker calls it on its loop."""
+
+    agent_id = "inline-1"
+
+    @inline
+    def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+        self.threads.add(threading.get_ident())
+        return Accept(metadata={"by": "inline"})
 
 
 class Gated(Agent):

@@ -16,8 +16,9 @@ from handoffbus import (
     serialize_context,
 )
 from handoffbus.workers import Agent, AgentState, Reject, Worker
+from handoffbus.workers.agent import is_inline
 
-from .agents import Echo, Faulty, Gated, SyncEcho
+from .agents import Echo, Faulty, Gated, InlineEcho, SyncEcho
 from .helpers import req, response_statuses, serve_until_done
 
 pytestmark = pytest.mark.anyio
@@ -73,6 +74,22 @@ async def test_plain_function_hooks_run_off_the_event_loop(bus: HandoffBus) -> N
         worker.drain()
     assert decision.metadata == {"by": "sync"} and outcome.result == "SHOUT"
     assert agent.threads and threading.get_ident() not in agent.threads
+
+
+async def test_an_inline_hook_runs_on_the_event_loop(bus: HandoffBus) -> None:
+    handle = await bus.client("req").request_handoff(req("req", "inline-1", reason="shout"))
+    agent = InlineEcho()
+    async with anyio.create_task_group() as tg:
+        worker = Worker(bus, agent)
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            decision, outcome = await handle.decision(), await handle.outcome()
+        worker.drain()
+    assert decision.metadata == {"by": "inline"} and outcome.result == "SHOUT"
+    loop_thread = threading.get_ident()
+    assert loop_thread in agent.threads and len(agent.threads) == 2  # the work hook is not inline
+    assert is_inline(Agent.on_handoff_request) and is_inline(Echo().on_handoff_request)
+    assert not is_inline(SyncEcho().on_handoff_request)
 
 
 async def test_failures_are_reported_not_fatal(bus: HandoffBus) -> None:

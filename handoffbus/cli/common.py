@@ -25,6 +25,7 @@ from rich.table import Table
 
 from ..bus import HandoffBus
 from ..errors import AuthenticationFailed, HandoffbusError, InvalidName, InvalidRequest, ServerUnavailable
+from ..eventloop import backend_options
 
 __all__ = [
     "EXIT_FAILED", "EXIT_OK", "EXIT_UNAVAILABLE", "EXIT_USAGE", "Json", "Options", "Prefix", "RedisUrl",
@@ -79,7 +80,7 @@ def run(func: Callable[..., Awaitable[int]], *args: Any) -> None:
     """Run a command's coroutine and exit with its code; Redis out of reach exits 69, any other
     handoffbus error 1, bad input 2."""
     try:
-        code = anyio.run(func, *args)
+        code = anyio.run(func, *args, backend_options=backend_options())
     except (ServerUnavailable, AuthenticationFailed, RedisConnectionError, RedisTimeoutError, socket.gaierror) as exc:
         errors.print(f"handoffbus: Redis unavailable: {exc}")
         code = EXIT_UNAVAILABLE

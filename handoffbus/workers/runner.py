@@ -34,7 +34,7 @@ from ..models import TERMINAL, HandoffRequest, HandoffStatus
 from ..names import check_names, split_handoff_id
 from ..policies.blobs import has_blobs, restore
 from ..records import Loaded
-from .agent import Accept, Agent, AgentState, ReceivedHandoff, Reject
+from .agent import Accept, Agent, AgentState, ReceivedHandoff, Reject, is_inline
 from .inbox import Delivery, Inbox
 from .routes import RouteFeed
 
@@ -58,9 +58,13 @@ def default_consumer_name() -> str:
 
 
 async def _call(hook: Callable[..., Any], arg: Any) -> Any:
-    """Await an async hook; run a plain one in a worker thread so it cannot block the loop."""
+    """Await an async hook; run a plain one in a worker thread so it cannot block the loop,
+    unless it is marked inline."""
     if inspect.iscoroutinefunction(hook):
         return await hook(arg)
+    if is_inline(hook):
+        result = hook(arg)
+        return await result if inspect.isawaitable(result) else result
     return await anyio.to_thread.run_sync(hook, arg)
 
 
