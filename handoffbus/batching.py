@@ -84,6 +84,8 @@ class ScriptBatcher:
             for call in [*self._queue, *self._in_flight]:
                 call.finish(error=closed)
             self._queue.clear()
+            if self._cluster is not None:
+                await self._cluster.close()
 
     async def _sender(self) -> None:
         while True:

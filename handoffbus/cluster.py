@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -108,6 +109,14 @@ class ClusterSender:
         self._refreshed = float("-inf")
         #: replies that sent a call again, by kind (MOVED, ASK, TRYAGAIN): a slot moved
         self.redirects: Counter[str] = Counter()
+        #: connections this sender took from nodes, closed by ``close`` even where a topology
+        #: refresh dropped their node from the client (whose own close then misses them)
+        self._used: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    async def close(self) -> None:
+        with anyio.CancelScope(shield=True):
+            for conn in list(self._used):
+                await conn.disconnect()
 
     async def send(self, batch: list[ScriptCall]) -> None:
         """Send a batch to a cluster: one pipeline per node, all nodes at once, wave after wave
@@ -226,13 +235,19 @@ class ClusterSender:
         except MaxConnectionsError as exc:
             answers[name] = [exc] * len(calls)
             return
+        self._used.add(conn)
         try:
             answers[name] = await exchange(conn, calls, [call.asked is not None for call in calls])
         except (RedisError, OSError) as exc:  # this node's calls hear it; the other nodes' do not
             answers[name] = [exc] * len(calls)
             await self._refresh_slots(node.name)
         finally:
-            node.release(conn)
+            if self._redis.nodes_manager.nodes_cache.get(node.name) is node:
+                node.release(conn)
+            else:  # a refresh dropped the node: nothing else would ever close this connection
+                self._used.discard(conn)
+                with anyio.CancelScope(shield=True):
+                    await conn.disconnect()
 
     async def _node_named(self, host: str, port: int) -> Any:
         manager = self._redis.nodes_manager
