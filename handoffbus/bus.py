@@ -354,7 +354,8 @@ class HandoffBus:
         calls: list[tuple[str, list[str], list[Any]]] = []
         for handoff_id in handoff_ids:
             requester, request_id = split_handoff_id(handoff_id)
-            calls.append(("load", [self.keys.record(requester, request_id).record], []))
+            keys = self.keys.record(requester, request_id)
+            calls.append(("load", [keys.record, keys.envelope], []))
         rows = await self.scripts_many(calls)
         for row in rows:
             if isinstance(row, BaseException):

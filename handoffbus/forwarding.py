@@ -315,11 +315,14 @@ class Forwarder:
 
 
 def _handoff_of_record_key(bus: HandoffBus, keys: Sequence[str]) -> str:
-    if len(keys) != 1:
-        raise ValueError("one record key expected")
+    """The handoff whose record and envelope keys these are (a load's two keys)."""
+    if len(keys) != 2:
+        raise ValueError("a record key and its envelope key expected")
     prefix = f"{bus.keys.prefix}:{{"
     key = keys[0]
     if not key.startswith(prefix) or "}:h:" not in key:
         raise ValueError(f"{key!r} is not a record key")
     requester, _, request_id = key[len(prefix):].partition("}:h:")
+    if keys[1] != bus.keys.record(requester, request_id).envelope:
+        raise ValueError(f"{keys[1]!r} is not the envelope of {key!r}")
     return f"{requester}/{request_id}"

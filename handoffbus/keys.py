@@ -25,15 +25,16 @@ GROUP = "workers"
 
 @dataclass(frozen=True, slots=True)
 class RecordKeys:
-    """Keys in the requester's slot for one handoff (KEYS[1..4] of the record scripts)."""
+    """Keys in the requester's slot for one handoff (KEYS[1..5] of the record scripts)."""
 
     record: str
     marker: str
     deadlines: str
     responses: str
+    envelope: str
 
     def as_list(self) -> list[str]:
-        return [self.record, self.marker, self.deadlines, self.responses]
+        return [self.record, self.marker, self.deadlines, self.responses, self.envelope]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,7 @@ class Keys:
             marker=f"{base}p:{request_id}",
             deadlines=self.deadlines(requester),
             responses=self.responses(requester),
+            envelope=f"{base}e:{request_id}",
         )
 
     def responses(self, requester: str) -> str:

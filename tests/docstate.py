@@ -110,7 +110,8 @@ async def build_state(bus: HandoffBus, url: str) -> None:
     async with anyio.create_task_group() as tg:
         await tg.start(Forwarder(bus, [TARGET]).run)
         async with HandoffBus.connect(url, isolated=TARGET) as isolated:
-            row = await isolated.script("load", [bus.keys.record(REQUESTER, "req-42").record], [])
+            keys = bus.keys.record(REQUESTER, "req-42")
+            row = await isolated.script("load", [keys.record, keys.envelope], [])
             assert row[0] == b"PENDING"
         tg.cancel_scope.cancel()
 

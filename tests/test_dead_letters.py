@@ -19,7 +19,7 @@ async def test_an_undecodable_record_is_dead_lettered_and_the_worker_carries_on(
     client = bus.client("req")
     poison = await client.request_handoff(req("req", "echo-1", reason="poison", request_id="bad"))
     good = [await client.request_handoff(req("req", "echo-1", reason=f"ok{i}")) for i in range(3)]
-    await bus.redis.hset(bus.keys.record("req", "bad").record, "env", b"\xc1 not a request")
+    await bus.redis.set(bus.keys.record("req", "bad").envelope, b"\xc1 not a request")
     outcomes, worker = await serve_until_done(bus, Echo(), good)
     assert all(o.status is HandoffStatus.COMPLETED for o in outcomes)
     [dead] = await client.get_dead_letters("echo-1")
@@ -92,7 +92,7 @@ async def test_poison_entries_do_not_hold_up_the_others(real_backend: str, serve
         inbox = bus.keys.target("echo-1").inbox
         await bus.redis.xclaim(inbox, "workers", "ghost", 0, [taken.entry_id], idle=60_000, retrycount=7)
         await client.request_handoff(req("req", "echo-1", reason="p", request_id="bad", priority=-5))
-        await bus.redis.hset(bus.keys.record("req", "bad").record, "env", b"\xc1 not a request")
+        await bus.redis.set(bus.keys.record("req", "bad").envelope, b"\xc1 not a request")
         async with anyio.create_task_group() as tg:
             worker = Worker(bus, Echo(), concurrency=16, reclaim_idle=0.2, max_deliveries=5)
             await tg.start(worker.run)

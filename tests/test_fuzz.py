@@ -229,7 +229,7 @@ class Captured(NamedTuple):
 
 
 async def _capture() -> Captured:
-    """Record hashes, response entries and ``load`` rows as the scripts write them."""
+    """Records, response entries and ``load`` rows as the scripts write them."""
     async with HandoffBus.memory(prefix="fuzz") as bus:
         a, b = bus.client("req-1"), bus.client("tgt-1")
         done = await a.request_handoff(HandoffRequest(
@@ -243,9 +243,10 @@ async def _capture() -> Captured:
                                 fail_fast=True)
         await a.request_handoff(HandoffRequest(from_agent="req-1", to_agent="tgt-1", request_id="r4"))
         ids = ["r1", "r2", "r3", "r4"]
-        keys = [bus.keys.record("req-1", rid).record for rid in ids]
-        hashes = [await bus.redis.hgetall(key) for key in keys]
-        rows = [list(await bus.script("load", [key], [])) for key in keys]
+        keys = [bus.keys.record("req-1", rid) for rid in ids]
+        # a record as the status script reads it: the hash, and its envelope as `env`
+        hashes = [{**await bus.redis.hgetall(k.record), b"env": await bus.redis.get(k.envelope)} for k in keys]
+        rows = [list(await bus.script("load", [k.record, k.envelope], [])) for k in keys]
         entries = [fields for _id, fields in await bus.redis.xrange(bus.keys.responses("req-1"))]
         records = [await a.get_handoff_status(f"req-1/{rid}") for rid in ids]
         return Captured(hashes, entries, rows, [r for r in records if r is not None])

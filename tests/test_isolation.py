@@ -121,7 +121,7 @@ async def test_the_forwarder_refuses_calls_that_act_as_someone_else(real_backend
             await mallory.client("mallory").accept_handoff(handle.handoff_id)
         # reading the request, or queueing it for itself
         with pytest.raises(CallRefused, match="not addressed to or sent by 'mallory'"):
-            await mallory.script("load", [record.record], [])
+            await mallory.script("load", [record.record, record.envelope], [])
         with pytest.raises(CallRefused, match="which 'mallory' did not send"):
             await mallory.script("enqueue", keys.target("echo-1").as_list(), [handle.handoff_id, 0, 0])
         # a bus isolated as one agent cannot even make a client for another, nor route

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.anyio
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "redis-layout.md"
 #: Every key suffix handoffbus/keys.py builds (the doc must explain each).
-SUFFIXES = ("h:", "p:", "deadlines", "responses", "queue", "inbox", "inflight", "seq", "bell", "dead",
+SUFFIXES = ("h:", "e:", "p:", "deadlines", "responses", "queue", "inbox", "inflight", "seq", "bell", "dead",
             "workers", "w:", "agents", "requesters", "targets", "sweep-lease", "route", "rmeta", "rclaims", "rseq",
             "routes", "outbox", "replies", "stats", "blob:")
 

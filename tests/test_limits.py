@@ -77,7 +77,7 @@ async def test_an_oversized_payload_is_refused_by_the_consumer_before_parsing(
         # written behind the producer's back, as a peer that skipped the checks could
         blob = b"\x80" + b"\x00" * 200_000 if kind == "oversized" else gzip.compress(b"\x00" * 50_000_000)
         assert len(blob) > 100_000 if kind == "oversized" else len(blob) < 100_000  # a bomb passes the size check
-        await bus.redis.hset(bus.keys.record("req", "bad").record, "env", blob)
+        await bus.redis.set(bus.keys.record("req", "bad").envelope, blob)
         agent = Watchful()
         async with anyio.create_task_group() as tg:
             worker = Worker(bus, agent)

@@ -56,10 +56,10 @@ async def run_case(real_backend: str, servers: dict, verifier: Keyring, sender: 
             client._clock = (await sender_bus.server_time_ms() - int(signed_ago * 1000), time.monotonic())
         handle = await client.request_handoff(req("req", "watch-1", reason="r"))
         if tamper:
-            key = sender_bus.keys.record("req", handle.request_id).record
-            env = bytearray(await sender_bus.redis.hget(key, "env"))
+            key = sender_bus.keys.record("req", handle.request_id).envelope
+            env = bytearray(await sender_bus.redis.get(key))
             env[-1] ^= 0x01  # one flipped bit in the stored payload
-            await sender_bus.redis.hset(key, "env", bytes(env))
+            await sender_bus.redis.set(key, bytes(env))
         async with anyio.create_task_group() as tg:
             worker = Worker(worker_bus, agent, reclaim_idle=0.3)
             await tg.start(worker.run)

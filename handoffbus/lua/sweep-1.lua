@@ -7,7 +7,7 @@
 
   KEYS[1] deadline index  <p>:{R}:deadlines  (request id -> deadline; "o:" .. request id ->
           when the routed handoff's current offer, or routing guard, lapses)
-  ARGV[1] key prefix of R's slot, e.g. "hb:{agent-1}:" (records and markers are built from it;
+  ARGV[1] key prefix of R's slot, e.g. "hb:{agent-1}:" (records, markers and envelopes are built from it;
           they share KEYS[1]'s hash tag, so the script stays in one slot)
   ARGV[2] batch size      ARGV[3] record retention ms      ARGV[4] response stream retention ms
   ARGV[5] ms for which an agent whose offer lapsed is passed over (others are offered first)
@@ -27,7 +27,8 @@ local out, lapsed = {0, 0}, {}
 for _, member in ipairs(due) do
   local offer = string.sub(member, 1, 2) == 'o:'
   local request_id = offer and string.sub(member, 3) or member
-  local keys = {base .. 'h:' .. request_id, base .. 'p:' .. request_id, KEYS[1], base .. 'responses'}
+  local keys = {base .. 'h:' .. request_id, base .. 'p:' .. request_id, KEYS[1], base .. 'responses',
+    base .. 'e:' .. request_id}
   local rec = read_record(keys[1], {'to', 'chain', 'deferred'})
   if rec.status ~= 'PENDING' then
     redis.call('ZREM', KEYS[1], member)  -- decided or gone: a stale index entry

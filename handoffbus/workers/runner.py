@@ -528,7 +528,8 @@ class Worker:
         if entry is not None:
             await self._touch([hid])
         # the load script, not HGET: an isolated agent reads a peer's record through the forwarder
-        row = await self.bus.script("load", [self.bus.keys.record(requester, request_id).record], [])
+        keys = self.bus.keys.record(requester, request_id)
+        row = await self.bus.script("load", [keys.record, keys.envelope], [])
         holder = row[13] if len(row) > 13 else None
         if holder != self.consumer.encode():
             raise LeaseLost(hid, (holder or b"").decode())

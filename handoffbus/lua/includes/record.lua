@@ -1,11 +1,17 @@
 --[[
   Shared helpers for scripts in the requester's slot. The loader pastes this file where a
-  script says "-- @include record". Every record script receives the same four keys:
+  script says "-- @include record". Every record script receives the same five keys:
 
     KEYS[1] record hash      <p>:{R}:h:<request_id>
     KEYS[2] pending marker   <p>:{R}:p:<request_id>  (string, PXAT = acceptance deadline)
     KEYS[3] deadline index   <p>:{R}:deadlines       (zset request_id -> deadline ms)
     KEYS[4] response stream  <p>:{R}:responses
+    KEYS[5] request envelope <p>:{R}:e:<request_id>  (string: the encoded request)
+
+  The envelope lives apart from the record so that the record's small fields stay a
+  listpack (a value over hash-max-listpack-value, 64 bytes by default, would turn the whole
+  hash into a hashtable, about 600 bytes more per handoff). Records written before the
+  split keep an `env` field; readers fall back to it.
 
   A PENDING handoff whose marker has expired is past its deadline. Redis judges key
   expiry inside a script against the script's start time, so "accept" and "expire"
@@ -73,6 +79,7 @@ local function transition(keys, rec, request_id, status, actor, now, extra, rete
   redis.call('XADD', keys[4], 'MINID', '~', fmt(now - response_retention_ms), '*', unpack(entry))
   if TERMINAL[status] then
     redis.call('PEXPIRE', key, retention_ms)
+    redis.call('PEXPIRE', keys[5], retention_ms)
   end
   return response_reply(status, actor, ts, values)
 end

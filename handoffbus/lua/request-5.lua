@@ -3,8 +3,9 @@
   already exists for this request id (idempotent resubmission).
 
   KEYS[1] record hash   KEYS[2] pending marker   KEYS[3] deadline index   KEYS[4] response stream
+  KEYS[5] request envelope
   ARGV[1] handoff id    ARGV[2] request id        ARGV[3] from agent    ARGV[4] to agent ('' = routed)
-  ARGV[5] acceptance timeout ms                   ARGV[6] encoded request envelope
+  ARGV[5] acceptance timeout ms                   ARGV[6] encoded request envelope (stored in KEYS[5])
   ARGV[7] record retention ms                     ARGV[8] response stream retention ms
   ARGV[9] request fingerprint (digest of the canonical request: same content, same digest,
           whatever the codec, compression or dict key order)
@@ -46,9 +47,10 @@ local deadline = now + timeout_ms
 local last = last_response_id(KEYS[4])
 redis.call('HSET', KEYS[1],
   'id', hid, 'from', from, 'to', to, 'status', 'PENDING', 'actor', from,
-  'created', fmt(now), 'updated', fmt(now), 'deadline', fmt(deadline), 'env', envelope, 'fp', fingerprint,
+  'created', fmt(now), 'updated', fmt(now), 'deadline', fmt(deadline), 'fp', fingerprint,
   'hist', '[["PENDING","' .. from .. '",' .. fmt(now) .. ']]')
 if ARGV[14] and ARGV[14] ~= '' then redis.call('HSET', KEYS[1], 'sig', ARGV[14]) end
+redis.call('SET', KEYS[5], envelope)
 redis.call('SET', KEYS[2], '1', 'PXAT', fmt(deadline))
 redis.call('ZADD', KEYS[3], deadline, request_id)
 if to == '' then

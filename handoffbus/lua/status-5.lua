@@ -3,10 +3,12 @@
   a read after the deadline never reports PENDING, whatever the sweep's timing.
 
   KEYS[1] record hash   KEYS[2] pending marker   KEYS[3] deadline index   KEYS[4] response stream
+  KEYS[5] request envelope
   ARGV[1] request id    ARGV[2] record retention ms   ARGV[3] response stream retention ms
 
   Returns:
-    {now ms, last response id, expired now (1/0), field, value, ...}  the record (HGETALL);
+    {now ms, last response id, expired now (1/0), field, value, ...}  the record (HGETALL, with
+       the envelope of KEYS[5] as its `env` field);
        "expired now" tells the caller to take the handoff out of its target's queue
 
     {-1} no such handoff
@@ -24,4 +26,9 @@ if expire_if_due(KEYS, read_record(KEYS[1], {}), ARGV[1], now, tonumber(ARGV[2])
 end
 local out = {fmt(now), last_response_id(KEYS[4]), expired}
 for i = 1, #rec do out[#out + 1] = rec[i] end
+local envelope = redis.call('GET', KEYS[5])
+if envelope then  -- else a pre-split record carries its own `env` field
+  out[#out + 1] = 'env'
+  out[#out + 1] = envelope
+end
 return out

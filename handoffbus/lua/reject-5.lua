@@ -4,10 +4,11 @@
   the handoff goes on to the next capable agent (the caller routes it again).
 
   KEYS[1] record hash   KEYS[2] pending marker   KEYS[3] deadline index   KEYS[4] response stream
+  KEYS[5] request envelope
   ARGV[1] handoff id    ARGV[2] request id       ARGV[3] acting agent
   ARGV[4] record retention ms     ARGV[5] response stream retention ms
   ARGV[6..] response field/value pairs (reason, code, retry, redirect, rmeta), and 'guard' =
-            routing guard ms for a routed handoff (see request-4.lua)
+            routing guard ms for a routed handoff (see request-5.lua)
 
   Allowed from: PENDING.   Who: the to_agent (for a routed handoff: the agent it is offered to).
   Returns:

@@ -4,6 +4,7 @@
   the expiry sweep routes the handoff again (the agent may have died after it was chosen).
 
   KEYS[1] record hash   KEYS[2] pending marker   KEYS[3] deadline index   KEYS[4] response stream
+  KEYS[5] request envelope
   ARGV[1] handoff id    ARGV[2] request id       ARGV[3] agent
   ARGV[4] offer time ms   ARGV[5] record retention ms   ARGV[6] response stream retention ms
   ARGV[7] when the agent was chosen (server ms, from `pull`; 0 = now): the OFFERED step's time,

@@ -3,6 +3,7 @@
   decided by the router: code NO_CAPABLE_AGENT, and the agents that refused it in rmeta.
 
   KEYS[1] record hash   KEYS[2] pending marker   KEYS[3] deadline index   KEYS[4] response stream
+  KEYS[5] request envelope
   ARGV[1] handoff id    ARGV[2] request id
   ARGV[3] record retention ms   ARGV[4] response stream retention ms
   ARGV[5] reason   ARGV[6] rmeta (encoded {"refused": [...]})

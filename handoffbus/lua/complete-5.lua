@@ -1,12 +1,13 @@
 --[[
-  cancel: the requester withdraws a PENDING handoff; CANCELLED is terminal.
+  complete: the owner finishes an ACCEPTED handoff; COMPLETED is terminal.
 
   KEYS[1] record hash   KEYS[2] pending marker   KEYS[3] deadline index   KEYS[4] response stream
+  KEYS[5] request envelope
   ARGV[1] handoff id    ARGV[2] request id       ARGV[3] acting agent
   ARGV[4] record retention ms     ARGV[5] response stream retention ms
-  ARGV[6..] response field/value pairs (reason, rmeta)
+  ARGV[6..] response field/value pairs (result, rmeta)
 
-  Allowed from: PENDING.   Who: the from_agent.
+  Allowed from: ACCEPTED.   Who: the accepting agent.
   Returns:
     {1, to agent, status, actor, updated, agent, reason, code, retry, redirect, result, error, rmeta}
        transition made; the response was appended to KEYS[4]
@@ -14,7 +15,8 @@
     {-1} no such handoff   {-2, current status} invalid transition
     {-3, to agent} the acceptance deadline passed (the record is now EXPIRED and EXPIRED was emitted)
     {-4} the acting agent may not make this transition
+    {-6, holder} the handoff's lease is held by another consumer (pass 'lease' to finish it)
   Events: one entry on KEYS[4]: id, status, actor, ts and the response fields.
 ]]
 -- @include record
-return run_transition('CANCELLED', {PENDING = true}, 'requester')
+return run_transition('COMPLETED', {ACCEPTED = true}, 'owner')

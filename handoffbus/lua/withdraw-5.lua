@@ -4,11 +4,12 @@
   behind and the caller may retry with the same request id later.
 
   KEYS[1] record hash   KEYS[2] pending marker   KEYS[3] deadline index   KEYS[4] response stream
+  KEYS[5] request envelope
   ARGV[1] request id
 
   Returns 1 removed, 0 it was no longer PENDING (left alone).
 ]]
 if redis.call('HGET', KEYS[1], 'status') ~= 'PENDING' then return 0 end
-redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[5])
 redis.call('ZREM', KEYS[3], ARGV[1], 'o:' .. ARGV[1])
 return 1

@@ -6,6 +6,7 @@
   Nothing is emitted: the requester has heard ACCEPTED already.
 
   KEYS[1] record hash   KEYS[2] pending marker   KEYS[3] deadline index   KEYS[4] response stream
+  KEYS[5] request envelope
   ARGV[1] handoff id    ARGV[2] request id       ARGV[3] acting agent    ARGV[4] new lease (consumer)
   ARGV[5] expected current lease, or '' for a takeover (a retry must still hold the lease)
 

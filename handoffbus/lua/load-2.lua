@@ -3,7 +3,7 @@
   (read only). A script so
   that it travels in the same pipelines as the transitions.
 
-  KEYS[1] record hash   <p>:{R}:h:<request_id>
+  KEYS[1] record hash   <p>:{R}:h:<request_id>   KEYS[2] request envelope  <p>:{R}:e:<request_id>
 
   Returns {status, encoded request, owning agent, attempt, created ms, deadline ms, handoff id,
   from, to, routed, capability set, signature, server time ms, lease}; the record's fields are
@@ -15,4 +15,5 @@ local row = redis.call('HMGET', KEYS[1], 'status', 'env', 'agent', 'attempt', 'c
 local t = redis.call('TIME')
 row[13] = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 row[14] = redis.call('HGET', KEYS[1], 'lease')
+if row[1] then row[2] = redis.call('GET', KEYS[2]) or row[2] end  -- or a pre-split record's own field
 return row

@@ -2,6 +2,7 @@
   accept: the target agent takes a PENDING handoff; it becomes ACCEPTED and the agent its owner.
 
   KEYS[1] record hash   KEYS[2] pending marker   KEYS[3] deadline index   KEYS[4] response stream
+  KEYS[5] request envelope
   ARGV[1] handoff id    ARGV[2] request id       ARGV[3] acting agent
   ARGV[4] record retention ms     ARGV[5] response stream retention ms
   ARGV[6..] response field/value pairs (rmeta; 'lease' = the accepting consumer, whose

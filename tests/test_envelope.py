@@ -1,0 +1,49 @@
+"""The request envelope lives in its own key, so a pending record stays a small listpack."""
+
+from __future__ import annotations
+
+import pytest
+
+from handoffbus import HandoffBus, HandoffContext, HandoffStatus, serialize_context
+
+from .agents import Echo
+from .helpers import req, serve_until_done
+
+pytestmark = pytest.mark.anyio
+
+#: a context well over hash-max-listpack-value (64 bytes)
+CONTEXT = serialize_context(HandoffContext(tool_state={"notes": "n" * 1024}))
+
+
+async def test_a_pending_record_stays_a_listpack_beside_its_envelope(real_bus: HandoffBus) -> None:
+    client = real_bus.client("req")
+    handle = await client.request_handoff(req("req", "echo-1", reason="r", context_snapshot=CONTEXT))
+    keys = real_bus.keys.record("req", handle.request_id)
+    redis = real_bus.redis
+    assert await redis.object("encoding", keys.record) == b"listpack"
+    assert await redis.hget(keys.record, "env") is None
+    envelope = await redis.get(keys.envelope)
+    assert envelope is not None and CONTEXT in envelope
+    assert await redis.pttl(keys.envelope) == -1  # lives as long as the handoff does
+
+    [outcome], _ = await serve_until_done(real_bus, Echo(), [handle])
+    assert outcome.status is HandoffStatus.COMPLETED
+    retention_ms = real_bus.config.retention_ms
+    for key in (keys.record, keys.envelope):  # both expire together once terminal
+        assert retention_ms - 60_000 < await redis.pttl(key) <= retention_ms
+    record = await client.get_handoff_status(handle.handoff_id)
+    assert record is not None and record.request.context_snapshot == CONTEXT
+
+
+async def test_a_record_with_its_envelope_inside_is_still_served(bus: HandoffBus) -> None:
+    """A record written before the split keeps the request in its `env` field."""
+    client = bus.client("req")
+    handle = await client.request_handoff(req("req", "echo-1", reason="old", context_snapshot=CONTEXT))
+    keys = bus.keys.record("req", handle.request_id)
+    await bus.redis.hset(keys.record, "env", await bus.redis.get(keys.envelope))
+    await bus.redis.delete(keys.envelope)
+
+    record = await client.get_handoff_status(handle.handoff_id)
+    assert record is not None and record.request.reason == "old" and record.request.context_snapshot == CONTEXT
+    [outcome], _ = await serve_until_done(bus, Echo(), [handle])
+    assert outcome.status is HandoffStatus.COMPLETED and outcome.result["echo"] == "old"
