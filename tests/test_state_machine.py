@@ -196,6 +196,7 @@ async def _snapshot(
         for m in handoffs:
             keys = bus.keys.record(m.requester, m.request_id)
             pipe.hgetall(keys.record)
+            pipe.get(keys.envelope)
             pipe.exists(keys.marker)
             pipe.zscore(keys.deadlines, m.request_id)
             pipe.zscore(bus.keys.target(m.target).queue, m.handoff_id)
@@ -204,16 +205,17 @@ async def _snapshot(
         replies = await pipe.execute()
     stored = {}
     for i, m in enumerate(handoffs):
-        fields, marker, deadline, queued = replies[4 * i : 4 * i + 4]
+        fields, envelope, marker, deadline, queued = replies[5 * i : 5 * i + 5]
+        assert (envelope is None) == (not fields), f"{m.handoff_id}: record and envelope live and go together"
         stored[m.handoff_id] = Stored(
-            record=record_from_hash(fields, bus.codec) if fields else None,
+            record=record_from_hash({**fields, b"env": envelope}, bus.codec) if fields else None,
             marker=bool(marker),
             deadline_indexed=deadline is not None,
             queued=queued is not None,
         )
     streams = {
         agent: [entry for _id, entry in reply]
-        for agent, reply in zip(AGENTS, replies[4 * len(handoffs) :], strict=True)
+        for agent, reply in zip(AGENTS, replies[5 * len(handoffs) :], strict=True)
     }
     return stored, streams
 
