@@ -55,7 +55,7 @@ from handoffbus import (
     HandoffStatus,
     serialize_context,
 )
-from handoffbus.eventloop import backend_options, uses_uvloop
+from handoffbus.runtime import backend_options, freeze_startup, uses_uvloop
 from handoffbus.scripts import SCRIPT_NAMES
 from handoffbus.workers.inbox import Delivery, Inbox
 
@@ -652,6 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.n <= 0 or args.inflight <= 0 or args.rounds <= 0 or args.payload < 0:
         parser.error("--n, --inflight and --rounds must be positive, --payload non-negative")
+    freeze_startup()  # as the CLI does, and as README advises a requester service to
     report(anyio.run(run, args, backend="asyncio", backend_options=backend_options()), render, args.json)
     return 0
 

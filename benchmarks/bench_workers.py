@@ -49,7 +49,7 @@ from bench_core import (
 )
 
 from handoffbus import EmbeddedServer, HandoffBus, HandoffRequest, HandoffStatus
-from handoffbus.eventloop import backend_options, uses_uvloop
+from handoffbus.runtime import backend_options, freeze_startup, uses_uvloop
 from handoffbus.workers import Agent, ReceivedHandoff
 
 HERE = Path(__file__).resolve().parent
@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--modes takes direct, routed and/or isolated")
     if min(args.processes) <= 0 or args.n <= 0 or args.inflight <= 0 or args.rounds <= 0 or args.concurrency <= 0:
         parser.error("--processes, --n, --inflight, --concurrency and --rounds must be positive")
+    freeze_startup()  # as the CLI does, and as README advises a requester service to
     report(anyio.run(run, args, backend="asyncio", backend_options=backend_options()), render, args.json)
     return 0
 

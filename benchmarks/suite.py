@@ -49,8 +49,8 @@ from bench_core import (
 from bench_workers import REQUESTER, handoff_round, process_cpu_s, start_workers, stop_workers
 
 from handoffbus import EmbeddedServer, HandoffBus, HandoffRequest
-from handoffbus.eventloop import backend_options, uses_uvloop
 from handoffbus.keys import Keys
+from handoffbus.runtime import backend_options, freeze_startup, uses_uvloop
 
 
 @dataclass(frozen=True)
@@ -318,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.n, args.rounds, args.concurrency, args.warmup, args.queued, args.memory_count) <= 0:
         parser.error("--n, --rounds, --concurrency, --warmup, --queued and --memory-count must be positive")
+    freeze_startup()  # as the CLI does, and as README advises a requester service to
     report(anyio.run(run, args, backend="asyncio", backend_options=backend_options()), render, args.json)
     return 0
 

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from ..bus import HandoffBus
 from ..errors import AuthenticationFailed, HandoffbusError, InvalidName, InvalidRequest, ServerUnavailable
-from ..eventloop import backend_options
+from ..runtime import backend_options, freeze_startup
 
 __all__ = [
     "EXIT_FAILED", "EXIT_OK", "EXIT_UNAVAILABLE", "EXIT_USAGE", "Json", "Options", "Prefix", "RedisUrl",
@@ -93,6 +93,13 @@ def run(func: Callable[..., Awaitable[int]], *args: Any) -> None:
     except KeyboardInterrupt:
         code = 130
     raise typer.Exit(code)
+
+
+def serve(func: Callable[..., Awaitable[int]], *args: Any) -> None:
+    """``run`` for a long-running process (worker, forwarder, exporter): its start-up heap is
+    frozen out of the garbage collector first (see runtime.py)."""
+    freeze_startup()
+    run(func, *args)
 
 
 def emit_json(value: Any) -> None:

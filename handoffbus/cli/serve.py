@@ -18,7 +18,7 @@ from ..errors import HandoffbusError
 from ..logs import FORMAT
 from ..workers import Agent, Worker
 from ..workers.runner import serve_until_signalled
-from .common import EXIT_FAILED, EXIT_OK, Options, Prefix, RedisUrl, open_bus, options, run, usage_error
+from .common import EXIT_FAILED, EXIT_OK, Options, Prefix, RedisUrl, open_bus, options, run, serve, usage_error
 
 __all__ = ["register"]
 
@@ -127,7 +127,7 @@ def worker(
             policy = HandoffPolicy(Scenario.load(scenario))
         except ScenarioError as exc:
             usage_error(str(exc))
-    run(_worker, opts, url, instances, concurrency, grace, reclaim_idle, offer_time,
+    serve(_worker, opts, url, instances, concurrency, grace, reclaim_idle, offer_time,
         instances[0].agent_id if isolated else None, registry, policy)
 
 
@@ -163,7 +163,7 @@ def forwarder(
     opts = options(ctx, redis_url, prefix)
     opts.url("forwarder")
     _logging()
-    run(_forwarder, opts, agents or [])
+    serve(_forwarder, opts, agents or [])
 
 
 async def _forwarder(opts: Options, agents: list[str]) -> int:
@@ -241,7 +241,7 @@ def exporter(
         registry = serve_metrics(port, address)
     except (HandoffbusError, OSError) as exc:
         usage_error(f"cannot serve metrics on {address}:{port}: {exc}")
-    run(_exporter, opts, registry, interval)
+    serve(_exporter, opts, registry, interval)
 
 
 async def _exporter(opts: Options, registry: Any, interval: float) -> int:
