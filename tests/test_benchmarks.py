@@ -46,3 +46,27 @@ def test_the_suite_runs_every_case(tmp_path: Path) -> None:
     assert result["commands"]["per_lifecycle"] > 2 and "EVALSHA" in result["commands"]["by_command"]
     assert result["memory"]["envelope_bytes"] > 1000 and result["memory"]["used_memory_per_handoff"] > 0
     assert set(result["met"]) == set(result["measured"])
+
+
+def test_the_profile_summary_splits_processes_and_leaves_out_the_ceiling(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from profile_workers import summarize
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    bench = 'process 1:"python benchmarks/bench_workers.py"'
+    worker = 'process 2:"python -m handoffbus worker bench_workers:BenchEcho"'
+    raw = tmp_path / "raw.txt"
+    raw.write_text("\n".join([
+        f"{bench};run (a.py:1);request_handoff (handoffbus/client.py:10) 30",
+        f"{bench};run (a.py:1);request_handoff (handoffbus/client.py:12);pack (handoffbus/wire.py:5) 10",
+        f"{bench};run (a.py:1);ceiling_round (bench_core.py:3) 500",
+        f"{bench};Thread._bootstrap (threading.py:1);wait (threading.py:2) 500",
+        f"{bench};{worker};run (b.py:1);_handle (handoffbus/workers/runner.py:7) 20",
+    ]) + "\n")
+    text = summarize(raw, top=10)
+    requester, worker_part = text.split("== worker")
+    assert "== requester: 40 samples" in requester and ": 20 samples" in worker_part
+    assert "100.0%  request_handoff (handoffbus/client.py)" in requester  # lines merged, inclusive
+    assert " 25.0%  pack (handoffbus/wire.py)" in requester and "ceiling" not in text and "threading" not in text
+    assert "100.0%  _handle (handoffbus/workers/runner.py)" in worker_part
