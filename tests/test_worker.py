@@ -63,31 +63,22 @@ async def test_default_acceptance_follows_sw4rm(bus: HandoffBus) -> None:
     assert isinstance(refused, Reject) and refused.code == "AGENT_NOT_RUNNABLE"
 
 
-async def test_plain_function_hooks_run_off_the_event_loop(bus: HandoffBus) -> None:
-    handle = await bus.client("req").request_handoff(req("req", "sync-1", reason="shout"))
-    agent = SyncEcho()
+@pytest.mark.parametrize("inline", [False, True], ids=["thread", "inline"])
+async def test_plain_function_hooks_run_off_the_event_loop_unless_inline(bus: HandoffBus, inline: bool) -> None:
+    agent = InlineEcho() if inline else SyncEcho()
+    handle = await bus.client("req").request_handoff(req("req", agent.agent_id, reason="shout"))
     async with anyio.create_task_group() as tg:
         worker = Worker(bus, agent)
         await tg.start(worker.run)
         with anyio.fail_after(10):
             decision, outcome = await handle.decision(), await handle.outcome()
         worker.drain()
-    assert decision.metadata == {"by": "sync"} and outcome.result == "SHOUT"
-    assert agent.threads and threading.get_ident() not in agent.threads
-
-
-async def test_an_inline_hook_runs_on_the_event_loop(bus: HandoffBus) -> None:
-    handle = await bus.client("req").request_handoff(req("req", "inline-1", reason="shout"))
-    agent = InlineEcho()
-    async with anyio.create_task_group() as tg:
-        worker = Worker(bus, agent)
-        await tg.start(worker.run)
-        with anyio.fail_after(10):
-            decision, outcome = await handle.decision(), await handle.outcome()
-        worker.drain()
-    assert decision.metadata == {"by": "inline"} and outcome.result == "SHOUT"
+    assert decision.metadata == {"by": "inline" if inline else "sync"} and outcome.result == "SHOUT"
     loop_thread = threading.get_ident()
-    assert loop_thread in agent.threads and len(agent.threads) == 2  # the work hook is not inline
+    if inline:  # the acceptance hook on the loop; the work hook, not marked, in a thread
+        assert loop_thread in agent.threads and len(agent.threads) == 2
+    else:
+        assert agent.threads and loop_thread not in agent.threads
     assert is_inline(Agent.on_handoff_request) and is_inline(Echo().on_handoff_request)
     assert not is_inline(SyncEcho().on_handoff_request)
 
