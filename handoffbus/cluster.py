@@ -17,6 +17,7 @@ about it otherwise. A migration thus holds a slot's calls back until its keys ha
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
@@ -37,6 +38,15 @@ REDIRECT_ROUNDS = 16
 #: seconds a cluster call answered TRYAGAIN (its slot is migrating) is sent again before its
 #: error is returned: a reshard moves a slot's keys in far less, an aborted one never ends
 MIGRATION_WAIT = 30.0
+
+
+#: seconds closing connections may take (a socket's close waits on its peer)
+CLOSE_WAIT = 2.0
+
+
+async def _disconnect(conn: Any) -> None:
+    with contextlib.suppress(RedisError, OSError):  # gone already, or the peer is: closed either way
+        await conn.disconnect()
 
 
 def is_cluster(redis: Any) -> bool:
@@ -109,14 +119,20 @@ class ClusterSender:
         self._refreshed = float("-inf")
         #: replies that sent a call again, by kind (MOVED, ASK, TRYAGAIN): a slot moved
         self.redirects: Counter[str] = Counter()
-        #: connections this sender took from nodes, closed by ``close`` even where a topology
-        #: refresh dropped their node from the client (whose own close then misses them)
-        self._used: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: connections this sender took from nodes, and their node: one handed back to a node
+        #: that a later topology refresh dropped is beyond the client's own close
+        self._used: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
     async def close(self) -> None:
-        with anyio.CancelScope(shield=True):
-            for conn in list(self._used):
-                await conn.disconnect()
+        """Close the connections left on nodes the client no longer knows; the rest are the
+        client's (perhaps the caller's) to close."""
+        cached = self._redis.nodes_manager.nodes_cache
+        orphans = [conn for conn, node in list(self._used.items()) if cached.get(node.name) is not node]
+        if orphans:
+            with anyio.move_on_after(CLOSE_WAIT, shield=True):
+                async with anyio.create_task_group() as tg:
+                    for conn in orphans:
+                        tg.start_soon(_disconnect, conn)
 
     async def send(self, batch: list[ScriptCall]) -> None:
         """Send a batch to a cluster: one pipeline per node, all nodes at once, wave after wave
@@ -235,7 +251,7 @@ class ClusterSender:
         except MaxConnectionsError as exc:
             answers[name] = [exc] * len(calls)
             return
-        self._used.add(conn)
+        self._used[conn] = node
         try:
             answers[name] = await exchange(conn, calls, [call.asked is not None for call in calls])
         except (RedisError, OSError) as exc:  # this node's calls hear it; the other nodes' do not
@@ -245,9 +261,9 @@ class ClusterSender:
             if self._redis.nodes_manager.nodes_cache.get(node.name) is node:
                 node.release(conn)
             else:  # a refresh dropped the node: nothing else would ever close this connection
-                self._used.discard(conn)
-                with anyio.CancelScope(shield=True):
-                    await conn.disconnect()
+                self._used.pop(conn, None)
+                with anyio.move_on_after(CLOSE_WAIT, shield=True):
+                    await _disconnect(conn)
 
     async def _node_named(self, host: str, port: int) -> Any:
         manager = self._redis.nodes_manager

@@ -13,7 +13,6 @@ garbage collector.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
 from typing import Any
 
@@ -23,7 +22,11 @@ __all__ = ["backend_options", "freeze_startup", "uses_uvloop"]
 def uses_uvloop() -> bool:
     if os.environ.get("HANDOFFBUS_UVLOOP", "1") == "0":
         return False
-    return importlib.util.find_spec("uvloop") is not None
+    try:  # installed and importable: a broken build falls back to asyncio's loop
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def backend_options() -> dict[str, Any]:

@@ -405,3 +405,30 @@ async def test_migrating_the_slot_of_a_busy_agent_under_load_loses_and_doubles_n
     assert left == [0, 0, 0]  # nothing queued, in flight or pending: all settled
     assert sorted(holders, reverse=True)[1:] == [0, 0]  # the agent's keys live on one node
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_closing_the_bus_closes_connections_left_on_a_node_the_client_dropped(cluster: EmbeddedCluster) -> None:
+    from redis.asyncio.cluster import ClusterNode
+
+    async with HandoffBus.connect(cluster.url, prefix=new_prefix()) as bus:
+        await bus.client("req").request_handoff(req("req", "echo-1"))  # the sender took connections
+        manager = bus.redis.nodes_manager
+        assert bus._batcher is not None and bus._batcher._cluster is not None
+        used = bus._batcher._cluster._used
+        [(_, node), *_] = list(used.items())
+        left = [c for c, n in used.items() if n is node]  # the sender's (redis-py's own use others)
+        assert left and all(c.is_connected for c in left)
+        # a topology refresh replaced the node: the client's own close reaches the new one only
+        fresh = ClusterNode(node.host, node.port, node.server_type, **manager.connection_kwargs)
+        manager.nodes_cache[node.name] = manager.startup_nodes[node.name] = fresh
+        for owners in manager.slots_cache.values():
+            owners[:] = [fresh if n is node else n for n in owners]
+        await bus.client("req").request_handoff(req("req", "echo-1"))  # served, by the new node
+        kept = [c for c, n in used.items() if n is not node]
+        await bus._batcher._cluster.close()  # as the bus closing calls it
+        assert kept and all(c.is_connected for c in kept)  # live nodes' connections: the client's to close
+        assert not any(c.is_connected for c in left)
+        for other in node._connections:  # redis-py's own there: its refresh (set_nodes) closes those
+            if all(other is not c for c in left):
+                await other.disconnect()
+    assert not any(c.is_connected for c in kept)  # and the client closed the rest

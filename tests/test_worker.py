@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Awaitable
 
 import anyio
 import pytest
@@ -15,7 +16,8 @@ from handoffbus import (
     HandoffStatus,
     serialize_context,
 )
-from handoffbus.workers import Agent, AgentState, Reject, Worker
+from handoffbus.workers import Accept, Agent, AgentState, Reject, Worker
+from handoffbus.workers import inline as mark_inline
 from handoffbus.workers.agent import is_inline
 
 from .agents import Echo, Faulty, Gated, InlineEcho, SyncEcho
@@ -81,6 +83,23 @@ async def test_plain_function_hooks_run_off_the_event_loop_unless_inline(bus: Ha
         assert agent.threads and loop_thread not in agent.threads
     assert is_inline(Agent.on_handoff_request) and is_inline(Echo().on_handoff_request)
     assert not is_inline(SyncEcho().on_handoff_request)
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["thread", "inline"])
+async def test_a_plain_hook_may_return_an_awaitable_decision(bus: HandoffBus, inline: bool) -> None:
+    class Deferring(Echo):
+        async def _decide(self, request: HandoffRequest) -> Accept:
+            return Accept(metadata={"deferred": True})
+
+        def on_handoff_request(self, request: HandoffRequest) -> Awaitable[Accept]:
+            return self._decide(request)
+
+    if inline:
+        Deferring.on_handoff_request = mark_inline(Deferring.on_handoff_request)  # type: ignore[method-assign]
+    handle = await bus.client("req").request_handoff(req("req", "echo-1", reason="later"))
+    [outcome], _ = await serve_until_done(bus, Deferring(), [handle])
+    decision = await handle.decision()
+    assert decision.metadata == {"deferred": True} and outcome.status is HandoffStatus.COMPLETED
 
 
 async def test_failures_are_reported_not_fatal(bus: HandoffBus) -> None:

@@ -62,10 +62,8 @@ async def _call(hook: Callable[..., Any], arg: Any) -> Any:
     unless it is marked inline."""
     if inspect.iscoroutinefunction(hook):
         return await hook(arg)
-    if is_inline(hook):
-        result = hook(arg)
-        return await result if inspect.isawaitable(result) else result
-    return await anyio.to_thread.run_sync(hook, arg)
+    result = hook(arg) if is_inline(hook) else await anyio.to_thread.run_sync(hook, arg)
+    return await result if inspect.isawaitable(result) else result  # e.g. a plain def returning a coroutine
 
 
 class Worker:
