@@ -518,9 +518,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {"url": args.url or "embedded (unix socket)", "n": n, "inflight": args.inflight,
                    "payload": args.payload, "context_bytes": len(context), "warmup": warmup,
                    "rounds": args.rounds, "pool": pool_options},
-        "environment": {**server_desc, "python": platform.python_version(), "redis_py": redis.__version__,
-                        "hiredis": _has_hiredis(), "platform": platform.platform(), "cpus": os.cpu_count(),
-                        "uvloop": uses_uvloop(),                        "loadavg_after": _loadavg()},
+        "environment": environment(server_desc),
         "ceiling": ceiling,
         "bare_ceiling": bare,
         "ours": ours,
@@ -629,6 +627,22 @@ def report(result: dict[str, Any], render: Callable[[dict[str, Any]], str], path
     print(f"\nwrote {out}")
 
 
+def environment(server_desc: dict[str, Any]) -> dict[str, Any]:
+    """What a result depends on besides its config: the server, the client stack, the host."""
+    return {**server_desc, "python": platform.python_version(), "redis_py": redis.__version__,
+            "hiredis": _has_hiredis(), "platform": platform.platform(), "cpus": os.cpu_count(),
+            "uvloop": uses_uvloop(), "loadavg_after": _loadavg()}
+
+
+def run_and_report(
+    run: Callable[[argparse.Namespace], Awaitable[dict[str, Any]]], args: argparse.Namespace,
+    render: Callable[[dict[str, Any]], str],
+) -> None:
+    """Run a benchmark's coroutine on the loop a handoffbus process runs on, then ``report``."""
+    freeze_startup()  # as the CLI does, and as README advises a requester service to
+    report(anyio.run(run, args, backend="asyncio", backend_options=backend_options()), render, args.json)
+
+
 def benchmark_parser(doc: str | None) -> argparse.ArgumentParser:
     """The arguments every benchmark script shares (its docstring's first paragraph, ``--url``)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0] if doc else None)
@@ -652,8 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.n <= 0 or args.inflight <= 0 or args.rounds <= 0 or args.payload < 0:
         parser.error("--n, --inflight and --rounds must be positive, --payload non-negative")
-    freeze_startup()  # as the CLI does, and as README advises a requester service to
-    report(anyio.run(run, args, backend="asyncio", backend_options=backend_options()), render, args.json)
+    run_and_report(run, args, render)
     return 0
 
 

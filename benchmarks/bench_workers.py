@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import signal
 import sys
 import time
@@ -32,24 +31,22 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import redis
 import redis.asyncio as aioredis
 from anyio.abc import Process
 from bench_core import (
-    _loadavg,
     _nothing,
     benchmark_parser,
     ceiling_round,
+    environment,
     latency_ms,
     median_run,
     padded_context,
-    report,
+    run_and_report,
     server_cpu,
     server_info,
 )
 
 from handoffbus import EmbeddedServer, HandoffBus, HandoffRequest, HandoffStatus
-from handoffbus.runtime import backend_options, freeze_startup, uses_uvloop
 from handoffbus.workers import Agent, ReceivedHandoff
 
 HERE = Path(__file__).resolve().parent
@@ -203,8 +200,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {"url": args.url or "embedded (unix socket)", "n": args.n, "inflight": args.inflight,
                    "concurrency_per_process": args.concurrency, "payload": args.payload,
                    "context_bytes": len(context), "warmup": args.warmup, "rounds": args.rounds},
-        "environment": {**desc, "python": platform.python_version(), "redis_py": redis.__version__,
-                        "cpus": os.cpu_count(), "uvloop": uses_uvloop(), "loadavg_after": _loadavg()},
+        "environment": environment(desc),
         "bare_ceiling": bare, "batched_ceiling": batched, "workers": results,
     }
 
@@ -258,8 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--modes takes direct, routed and/or isolated")
     if min(args.processes) <= 0 or args.n <= 0 or args.inflight <= 0 or args.rounds <= 0 or args.concurrency <= 0:
         parser.error("--processes, --n, --inflight, --concurrency and --rounds must be positive")
-    freeze_startup()  # as the CLI does, and as README advises a requester service to
-    report(anyio.run(run, args, backend="asyncio", backend_options=backend_options()), render, args.json)
+    run_and_report(run, args, render)
     return 0
 
 

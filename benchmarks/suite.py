@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import re
 import sys
 import time
@@ -33,16 +32,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import anyio
-import redis
 import redis.asyncio as aioredis
 from bench_core import (
-    _loadavg,
     _nothing,
     benchmark_parser,
     ceiling_round,
+    environment,
     median_run,
     padded_context,
-    report,
+    run_and_report,
     server_cpu,
     server_info,
 )
@@ -50,7 +48,6 @@ from bench_workers import REQUESTER, handoff_round, process_cpu_s, start_workers
 
 from handoffbus import EmbeddedServer, HandoffBus, HandoffRequest
 from handoffbus.keys import Keys
-from handoffbus.runtime import backend_options, freeze_startup, uses_uvloop
 
 
 @dataclass(frozen=True)
@@ -248,8 +245,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "config": {"url": args.url or "embedded (unix socket)", "n": args.n, "rounds": args.rounds,
                    "concurrency_per_process": args.concurrency, "warmup": args.warmup},
-        "environment": {**desc, "python": platform.python_version(), "redis_py": redis.__version__,
-                        "cpus": os.cpu_count(), "uvloop": uses_uvloop(), "loadavg_after": _loadavg()},
+        "environment": environment(desc),
         "batched_ceiling": batched, "cases": cases, "commands": commands, "memory": memory,
         "targets": TARGETS, "measured": measured, "met": met,
     }
@@ -318,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.n, args.rounds, args.concurrency, args.warmup, args.queued, args.memory_count) <= 0:
         parser.error("--n, --rounds, --concurrency, --warmup, --queued and --memory-count must be positive")
-    freeze_startup()  # as the CLI does, and as README advises a requester service to
-    report(anyio.run(run, args, backend="asyncio", backend_options=backend_options()), render, args.json)
+    run_and_report(run, args, render)
     return 0
 
 
