@@ -22,7 +22,7 @@ from typing import Any
 
 from .models import AgentInfo, HandoffRecord, HandoffStatus
 
-__all__ = ["A2A_PROTOCOL_VERSION", "A2A_STATES", "a2a_state", "a2a_task", "agent_card"]
+__all__ = ["A2A_PROTOCOL_VERSION", "A2A_STATES", "a2a_state", "a2a_task", "agent_card", "utc_iso"]
 
 A2A_PROTOCOL_VERSION = "0.3.0"
 A2A_STATES: dict[HandoffStatus, str] = {
@@ -44,7 +44,8 @@ def a2a_state(status: HandoffStatus) -> tuple[str, dict[str, Any]]:
     return A2A_STATES[status], metadata
 
 
-def _iso(ms: int) -> str:
+def utc_iso(ms: int) -> str:
+    """Milliseconds since the epoch as ISO 8601 UTC, to the millisecond: 2026-01-02T03:04:05.678Z."""
     return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
@@ -60,10 +61,10 @@ def a2a_task(record: HandoffRecord) -> dict[str, Any]:
         "kind": "task",
         "id": record.handoff_id,
         "contextId": record.request.metadata.get("context_id", record.handoff_id),
-        "status": {"state": state, "timestamp": _iso(record.updated_ms)},
+        "status": {"state": state, "timestamp": utc_iso(record.updated_ms)},
         "history": [{"kind": "message", "role": "agent" if h.actor != record.request.from_agent else "user",
                      "messageId": f"{record.handoff_id}#{i}", "parts": [{"kind": "text", "text": h.status.value}],
-                     "metadata": {"actor": h.actor, "at": _iso(h.at_ms)}}
+                     "metadata": {"actor": h.actor, "at": utc_iso(h.at_ms)}}
                     for i, h in enumerate(record.history)],
         "metadata": metadata,
     }

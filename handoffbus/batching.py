@@ -107,7 +107,8 @@ class ScriptBatcher:
                     call.finish(error=closed)
                 raise
             finally:  # calls still waiting out a slot migration are the unparker's now
-                self._in_flight.difference_update([call for call in batch if call.finished])
+                self._in_flight.difference_update(
+                    batch if self._cluster is None else [call for call in batch if call.finished])
 
     async def _execute(self, batch: list[ScriptCall]) -> list[Any]:
         if not self._direct:

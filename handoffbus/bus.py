@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -174,7 +174,7 @@ class HandoffBus:
     def redirects(self) -> Counter[str]:
         """On a cluster: how many script calls were sent again after a MOVED, ASK or TRYAGAIN
         reply (a slot moved, or was moving), by kind."""
-        return Counter(self._batcher.redirects) if self._batcher is not None else Counter()
+        return self._batcher.redirects if self._batcher is not None else Counter()
 
     @property
     def redis(self) -> Any:
@@ -261,8 +261,6 @@ class HandoffBus:
                 "the server is a Redis Cluster node: pass a redis.asyncio.cluster.RedisCluster client, "
                 "or connect with cluster=True (or a redis+cluster:// URL)")
         url, max_connections = self._connect_args
-        if url.lower().startswith("unix"):
-            raise HandoffbusError("the server is a Redis Cluster node: reach the cluster over TCP (redis://)")
         cluster = _client(url, max_connections, cluster=True)
         await self._close_client()
         self._redis = cluster
@@ -342,10 +340,14 @@ class HandoffBus:
     async def settle(self, target: str, handoff_ids: list[str]) -> int:
         return int(await self.script(*self.settle_call(target, handoff_ids)))
 
-    async def settle_expired(self, target: str, handoff_ids: list[str]) -> int:
-        """Settle handoffs this process just made EXPIRED, and count them for ``target``."""
-        self.tally.add(target, "EXPIRED", len(handoff_ids))
-        return await self.settle(target, handoff_ids)
+    async def settle_expired(self, by_target: Mapping[str, list[str]]) -> None:
+        """Settle handoffs this process just made EXPIRED, in one round trip, and count them
+        for their targets."""
+        for target, ids in by_target.items():
+            self.tally.add(target, "EXPIRED", len(ids))
+        for reply in await self.scripts_many([self.settle_call(t, ids) for t, ids in by_target.items()]):
+            if isinstance(reply, BaseException):
+                raise reply
 
     async def load_records(self, handoff_ids: Sequence[str]) -> list[Loaded | None]:
         """What each record holds (None where it is gone), in one round trip; never raises for bad data."""
@@ -373,7 +375,7 @@ class HandoffBus:
             return None
         fields = dict(zip(reply[3::2], reply[4::2], strict=True))
         if reply[2] == 1 and fields.get(b"to"):
-            await self.settle_expired(fields[b"to"].decode(), [handoff_id])  # this read expired it
+            await self.settle_expired({fields[b"to"].decode(): [handoff_id]})  # this read expired it
         return int(reply[0]), reply[1], record_from_hash(fields, self.codec, self.keyring)
 
     async def server_time_ms(self) -> int:

@@ -148,7 +148,7 @@ class HandoffClient:
         if self._bus.policy is not None:
             request = await self._bus.policy.prepare(self._bus, request, handoff_id, variables)
         if not tracing.active():  # the common case: nothing to record, nothing to carry
-            return await self._request(request, fail_fast)
+            return await self._request(request, handoff_id, fail_fast)
         keys = self._bus.keys
         destination = (keys.target(request.to_agent).inbox if request.to_agent
                        else keys.route(set_id(capability_set(request.capabilities_required))).queue)
@@ -156,13 +156,12 @@ class HandoffClient:
             traced = tracing.with_trace_context(request.metadata)
             if traced != request.metadata:
                 request = msgspec.structs.replace(request, metadata=traced)
-            return await self._request(request, fail_fast)
+            return await self._request(request, handoff_id, fail_fast)
 
-    async def _request(self, request: HandoffRequest, fail_fast: bool) -> HandoffHandle:
+    async def _request(self, request: HandoffRequest, handoff_id: str, fail_fast: bool) -> HandoffHandle:
         envelope = self._bus.codec.dumps(request)
         fingerprint = request_fingerprint(request)
         bus = self._bus
-        handoff_id = join_handoff_id(self.agent_id, request.request_id)
         keys = bus.keys.record(self.agent_id, request.request_id)
         await bus.register_requester(self.agent_id)
         reader = bus.reader(self.agent_id, self._refresh)
@@ -293,7 +292,7 @@ class HandoffClient:
             [final] = await bus.router.reroute([Reroute.of(reply[2:9], reply[9])])
             return final or refusal_response(handoff_id, self.agent_id, fields)
         if code == errors.EXPIRED and reply[1]:
-            await bus.settle_expired(reply[1].decode(), [handoff_id])
+            await bus.settle_expired({reply[1].decode(): [handoff_id]})
         if code < 0:
             raise_for_code(code, handoff_id, self.agent_id, name, reply[1] if len(reply) > 1 else None)
         response = response_from_reply(handoff_id, reply[2:], bus.codec)

@@ -36,6 +36,7 @@ from .backoff import Backoff
 from .errors import CallRefused, ForwarderUnavailable, HandoffbusError
 from .models import WorkerInfo
 from .names import check_name, split_handoff_id
+from .records import text
 from .routing import Directory, Reroute, serves, set_id
 
 if TYPE_CHECKING:
@@ -52,10 +53,6 @@ _encode = msgspec.msgpack.Encoder()
 _calls = msgspec.msgpack.Decoder(list[tuple[str, list[str], list[Any]]])
 _replies = msgspec.msgpack.Decoder(list[tuple[bool, Any]])
 _worker_info = msgspec.json.Decoder(WorkerInfo)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class Outbox:
@@ -92,7 +89,7 @@ class Outbox:
             for _, entries in found:
                 for entry_id, fields in entries:
                     self._cursor = entry_id
-                    waiting = self._waiting.pop(_text(fields.get(b"rid", b"")), None)
+                    waiting = self._waiting.pop(text(fields.get(b"rid", b"")), None)
                     if waiting is not None:
                         waiting[1].append(fields[b"replies"])
                         waiting[0].set()
@@ -127,7 +124,7 @@ class Outbox:
 
 
 def _error(value: Any) -> Exception:
-    kind, _, message = _text(value).partition(":")
+    kind, _, message = text(value).partition(":")
     return CallRefused(message) if kind == "forbidden" else ResponseError(message)
 
 
@@ -152,7 +149,7 @@ class Forwarder:
                 pattern = f"{bus.keys.prefix}:{{*}}:outbox"
                 try:
                     async for key in bus.redis.scan_iter(match=pattern, count=500):
-                        found.add(_text(key)[len(bus.keys.prefix) + 2:-len("}:outbox")])
+                        found.add(text(key)[len(bus.keys.prefix) + 2:-len("}:outbox")])
                 except (RedisError, OSError) as exc:
                     log.warning("forwarder: looking for outboxes failed (%s)", exc)
                 for agent in sorted(found - self._serving):
@@ -235,10 +232,10 @@ class Forwarder:
             await bus.register_target(self._target_of(keys))
         elif name == "route":
             await bus.register_requester(sender)
-            handoff_id = _text(args[0])
+            handoff_id = text(args[0])
             caps = await bus.redis.hget(bus.keys.record(*split_handoff_id(handoff_id)).record, "caps")
-            await bus.router.register_set(_text(caps))
-            candidates = Directory.capable(await bus.router.directory.agents(), _text(caps))
+            await bus.router.register_set(text(caps))
+            candidates = Directory.capable(await bus.router.directory.agents(), text(caps))
             rings = bus.router.ring_calls(candidates, handoff_id)
             if rings:
                 await bus.scripts_many(rings)
@@ -257,43 +254,43 @@ class Forwarder:
         name, keys, args = call
         try:
             if name in _ACTING or name == "assign":
-                handoff_id, actor = _text(args[0]), _text(args[2])
+                handoff_id, actor = text(args[0]), text(args[2])
                 requester, request_id = split_handoff_id(handoff_id)
                 if actor != sender:
                     return f"{name} acting as {actor!r}"
-                if _text(args[1]) != request_id or keys != bus.keys.record(requester, request_id).as_list():
+                if text(args[1]) != request_id or keys != bus.keys.record(requester, request_id).as_list():
                     return f"{name} on keys that are not {handoff_id!r}'s"
                 return None
             if name == "load":
                 handoff_id = _handoff_of_record_key(bus, keys)
                 requester, _ = split_handoff_id(handoff_id)
                 to = await bus.redis.hget(keys[0], "to")
-                if sender in (requester, _text(to or b"")):
+                if sender in (requester, text(to or b"")):
                     return None
                 return f"load of {handoff_id!r}, which is not addressed to or sent by {sender!r}"
             if name in ("enqueue", "settle"):
                 target = self._target_of(keys)
                 if keys != bus.keys.target(target).as_list():
                     return f"{name} on keys that are not an agent's queue"
-                ids = [_text(a) for a in (args[:1] if name == "enqueue" else args[1:])]  # settle: group, ids
+                ids = [text(a) for a in (args[:1] if name == "enqueue" else args[1:])]  # settle: group, ids
                 for handoff_id in ids:
                     requester, request_id = split_handoff_id(handoff_id)
                     to = await bus.redis.hget(bus.keys.record(requester, request_id).record, "to")
-                    if requester != sender or _text(to or b"") != target:
+                    if requester != sender or text(to or b"") != target:
                         return f"{name} of {handoff_id!r}, which {sender!r} did not send to {target!r}"
                 return None
             if name in ("route", "pull"):
                 sid = self._set_of(keys)
-                caps = _text(await bus.redis.hget(bus.keys.routes, sid) or b"")
+                caps = text(await bus.redis.hget(bus.keys.routes, sid) or b"")
                 if name == "route":
-                    handoff_id = _text(args[0])
+                    handoff_id = text(args[0])
                     requester, request_id = split_handoff_id(handoff_id)
                     record_caps = await bus.redis.hget(bus.keys.record(requester, request_id).record, "caps")
-                    if requester != sender or set_id(_text(record_caps or b"")) != sid:
+                    if requester != sender or set_id(text(record_caps or b"")) != sid:
                         return f"route of {handoff_id!r}, which {sender!r} did not send to that capability set"
                     return None
-                if _text(args[0]) != sender:
-                    return f"pull acting as {_text(args[0])!r}"
+                if text(args[0]) != sender:
+                    return f"pull acting as {text(args[0])!r}"
                 if not caps or not serves(await self._capabilities(sender), caps):
                     return f"pull from a capability set {sender!r} does not serve"
                 return None

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from .names import split_handoff_id
+from .records import text
 from .stats import AgentCounts
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ async def known_agents(bus: HandoffBus) -> list[str]:
     """Every agent with a registered worker or a queue, sorted."""
     # two reads, not SUNION: on a cluster the two sets live in different slots
     names = await bus.redis.smembers(bus.keys.agents) | await bus.redis.smembers(bus.keys.targets)
-    return sorted(_text(n) for n in names)
+    return sorted(text(n) for n in names)
 
 
 async def observe_agents(bus: HandoffBus, agents: Sequence[str] | None = None) -> list[AgentView]:
@@ -68,7 +69,7 @@ async def observe_agents(bus: HandoffBus, agents: Sequence[str] | None = None) -
     for i, reply in enumerate(replies):
         if isinstance(reply, BaseException):
             raise reply
-        heads += [(i, _text(hid)) for hid in reply[5][::2]]
+        heads += [(i, text(hid)) for hid in reply[5][::2]]
     created = await _created_times(bus, [hid for _, hid in heads])
     oldest: dict[int, int] = {}
     for (i, _), at in zip(heads, created, strict=True):
@@ -77,7 +78,7 @@ async def observe_agents(bus: HandoffBus, agents: Sequence[str] | None = None) -
     live = {a.agent_id: a for a in await bus.router.directory.agents(max_age=0)}
     views = []
     for i, (name, reply) in enumerate(zip(names, replies, strict=True)):
-        queued, in_flight, first_entry, now = int(reply[0]), int(reply[1]), _text(reply[2]), int(reply[3])
+        queued, in_flight, first_entry, now = int(reply[0]), int(reply[1]), text(reply[2]), int(reply[3])
         flat = reply[4]
         info = live.get(name)
         views.append(AgentView(
@@ -107,7 +108,3 @@ async def _created_times(bus: HandoffBus, handoff_ids: list[str]) -> list[int]:
             pipe.hget(bus.keys.record(requester, request_id).record, "created")
         values: list[Any] = await pipe.execute()
     return [int(v) if v else 0 for v in values]
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -13,7 +13,7 @@ from .models import HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatu
 from .signing import SIGNED_RESPONSE_FIELDS, Keyring, response_body, unsigned_response
 
 __all__ = ["RESPONSE_FIELDS", "Loaded", "loaded_from_row", "record_from_hash", "response_from_fields",
-           "response_from_reply"]
+           "response_from_reply", "text"]
 
 #: Order of the fields after the code in a transition script's reply (see lua/includes/record.lua).
 RESPONSE_FIELDS = (b"status", b"actor", b"ts", b"agent", b"reason", b"code", b"retry", b"redirect",
@@ -23,7 +23,12 @@ _history_decoder = msgspec.json.Decoder(list[HistoryEntry])
 _route_decoder = msgspec.json.Decoder(tuple[RouteStep, ...])
 
 
-def _text(value: bytes | None) -> str | None:
+def text(value: Any) -> str:
+    """A reply value as text (bytes decoded, anything else as ``str``)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _optional_text(value: bytes | None) -> str | None:
     return None if value is None else value.decode()
 
 
@@ -46,14 +51,14 @@ def response_from_fields(
             request_id=handoff_id.partition("/")[2],  # read back from Redis: validated when written
             status=status,
             accepted=status in _ACCEPTED_LIKE,
-            actor=_text(f.get(b"actor")),
-            accepting_agent=_text(f.get(b"agent")),
-            rejection_reason=_text(f.get(b"reason")),
-            rejection_code=_text(f.get(b"code")),
+            actor=_optional_text(f.get(b"actor")),
+            accepting_agent=_optional_text(f.get(b"agent")),
+            rejection_reason=_optional_text(f.get(b"reason")),
+            rejection_code=_optional_text(f.get(b"code")),
             retry_after_ms=None if retry is None else int(retry),
-            redirect_to_agent=_text(f.get(b"redirect")),
+            redirect_to_agent=_optional_text(f.get(b"redirect")),
             result=None if result is None else codec.loads_value(result),
-            error=_text(f.get(b"error")),
+            error=_optional_text(f.get(b"error")),
             metadata=_metadata(handoff_id, meta, codec),
             timestamp_ms=int(f.get(b"ts") or 0),
         )

@@ -110,9 +110,9 @@ class Scripts:
         """SCRIPT LOAD every script, so the first calls of a burst do not all miss the cache.
         On a cluster every primary gets them (redis-py sends SCRIPT LOAD to all primaries; a
         cluster pipeline takes no command meant for several nodes)."""
-        from redis.asyncio.cluster import RedisCluster
+        from .cluster import is_cluster
 
-        if isinstance(redis, RedisCluster):
+        if is_cluster(redis):
             for script in self:
                 await redis.script_load(script.source)
             return

@@ -90,11 +90,7 @@ class Sweeper:
         if batch:
             await flush()
         if by_target:
-            for target, ids in by_target.items():
-                bus.tally.add(target, "EXPIRED", len(ids))
-            for reply in await bus.scripts_many([bus.settle_call(t, ids) for t, ids in by_target.items()]):
-                if isinstance(reply, BaseException):
-                    raise reply
+            await bus.settle_expired(by_target)
         if lapsed:
             await bus.router.reroute(lapsed)
         return expired

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
 import anyio
 import typer
 
+from ..a2a import utc_iso
 from ..context import deserialize_context, serialize_context
 from ..errors import DecodeError, PayloadTooLarge
 from ..keys import GROUP
@@ -196,9 +196,9 @@ def show_record(opts: Options, record: HandoffRecord, now_ms: int) -> None:
     if request.capabilities_required:
         rows.append(("capabilities", ", ".join(request.capabilities_required)))
     rows += [("reason", request.reason or "-"), ("priority", str(request.priority)),
-             ("created", f"{_utc(record.created_ms)} ({ago(record.created_ms, now_ms)})")]
+             ("created", f"{utc_iso(record.created_ms)} ({ago(record.created_ms, now_ms)})")]
     if record.status is HandoffStatus.PENDING:
-        rows.append(("deadline", f"{_utc(record.deadline_ms)} ({ago(record.deadline_ms, now_ms)})"))
+        rows.append(("deadline", f"{utc_iso(record.deadline_ms)} ({ago(record.deadline_ms, now_ms)})"))
     if record.status is HandoffStatus.PENDING:
         rows.append(("waiting for", request.to_agent or "a capable agent"))
     elif response.accepting_agent or record.lease:
@@ -221,10 +221,6 @@ def show_record(opts: Options, record: HandoffRecord, now_ms: int) -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         console.print(f"{key:<{width}}  {value}")
-
-
-def _utc(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
 # ---------------------------------------------------------------------- pending

@@ -13,8 +13,8 @@
   time is when the agent was chosen, recorded by `assign`. Entries past their deadline are
   dropped on the way (their records expire by themselves).
 ]]
--- @include route
 -- @include offer
+-- @include route
 
 local agent, count = ARGV[1], tonumber(ARGV[2])
 for i = 5, #ARGV do

@@ -20,6 +20,7 @@
 
   Returns 1 queued, 0 already queued (meta updated), or a new request already routed.
 ]]
+-- @include offer
 -- @include route
 
 local hid = ARGV[1]

@@ -29,8 +29,7 @@ local function merge_meta(refused, deferred, old_refused, old_deferred)
     if not string.find(refused, ',' .. agent .. ',', 1, true) then refused = refused .. agent .. ',' end
   end
   for agent, untils in string.gmatch(old_deferred, '([^,=]+)=(%d+)') do
-    local at = string.find(deferred, ',' .. agent .. '=', 1, true)
-    local now_until = at and tonumber(string.match(deferred, '^(%d+)', at + #agent + 2))
+    local now_until = deferred_until(deferred, agent)  -- offer.lua, included first
     if not now_until then
       deferred = deferred .. agent .. '=' .. untils .. ','
     elseif tonumber(untils) > now_until then
