@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,12 +19,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from handoffbus import EmbeddedServer, HandoffBus  # noqa: E402
-from tests.docstate import build_monitoring_state  # noqa: E402
+from tests.docstate import build_monitoring_state, run_with_redis_cli  # noqa: E402
 
 PAGE = ROOT / "docs" / "monitoring.md"
 
 
-def capture(text: str, cli: str, socket_path: Path) -> str:
+async def capture(text: str, cli: str, socket_path: Path) -> str:
     """The page with the output under each ``$ redis-cli`` line of a console block replaced."""
     out: list[str] = []
     in_console = False
@@ -43,11 +42,9 @@ def capture(text: str, cli: str, socket_path: Path) -> str:
             out.append(line)
             continue
         if stripped.startswith("$ redis-cli "):
-            argv = shlex.split(stripped[2:])[1:]
-            done = subprocess.run([cli, "-s", str(socket_path), "--no-raw", *argv], capture_output=True,
-                                  text=True, check=True)
+            shown = await run_with_redis_cli(cli, socket_path, shlex.split(stripped[2:])[1:])
             out.append(line)
-            out += done.stdout.rstrip("\n").splitlines()
+            out += shown.rstrip("\n").splitlines()
         # any other line of a console block is old output: dropped, replaced above
     return "\n".join(out) + "\n"
 
@@ -58,7 +55,7 @@ async def main() -> None:
         sys.exit("capture.py needs redis-cli on PATH")
     async with EmbeddedServer() as server, HandoffBus.connect(server.url) as bus:
         await build_monitoring_state(bus, server.url)
-        text = await anyio.to_thread.run_sync(capture, PAGE.read_text("utf-8"), cli, server.socket_path)
+        text = await capture(PAGE.read_text("utf-8"), cli, server.socket_path)
     PAGE.write_text(re.sub(r"\n{3,}", "\n\n", text), "utf-8")
     print(f"captured {text.count('$ redis-cli')} commands into {PAGE.relative_to(ROOT)} ({server.binary})")
 

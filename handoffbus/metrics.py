@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 
 from .errors import HandoffbusError
 from .monitor import known_agents, observe_agents
-from .stats import BUCKETS
+from .stats import BUCKETS, COUNTED
 
 if TYPE_CHECKING:
     from .bus import HandoffBus
@@ -42,7 +42,6 @@ except ImportError:  # pragma: no cover - the extra is not installed
     prom = None
 
 #: statuses a handoff ends in, counted by handoffbus_handoffs_finished_total
-FINISHED = ("REJECTED", "COMPLETED", "FAILED", "EXPIRED", "CANCELLED")
 
 
 def _require() -> Any:
@@ -91,7 +90,7 @@ class Metrics:
             self.redeliveries.labels(agent).inc(n)
         elif field == "ACCEPTED":
             self.accepted.labels(agent).inc(n)
-        elif field in FINISHED:
+        elif field in COUNTED:  # the other counted statuses end a handoff
             self.finished.labels(agent, field).inc(n)
 
     def timed(self, agent: str, kind: str, seconds: float) -> None:

@@ -51,9 +51,12 @@ class AgentView(msgspec.Struct, frozen=True, kw_only=True):
 
 async def known_agents(bus: HandoffBus) -> list[str]:
     """Every agent with a registered worker or a queue, sorted."""
-    # two reads, not SUNION: on a cluster the two sets live in different slots
-    names = await bus.redis.smembers(bus.keys.agents) | await bus.redis.smembers(bus.keys.targets)
-    return sorted(text(n) for n in names)
+    # not SUNION: on a cluster the two sets live in different slots (the pipeline splits by node)
+    async with bus.redis.pipeline(transaction=False) as pipe:
+        pipe.smembers(bus.keys.agents)
+        pipe.smembers(bus.keys.targets)
+        agents, targets = await pipe.execute()
+    return sorted(text(n) for n in agents | targets)
 
 
 async def observe_agents(bus: HandoffBus, agents: Sequence[str] | None = None) -> list[AgentView]:
@@ -75,7 +78,7 @@ async def observe_agents(bus: HandoffBus, agents: Sequence[str] | None = None) -
     for (i, _), at in zip(heads, created, strict=True):
         if at:
             oldest[i] = min(oldest.get(i, at), at)
-    live = {a.agent_id: a for a in await bus.router.directory.agents(max_age=0)}
+    live = {a.agent_id: a for a in await bus.router.directory.of(names)}
     views = []
     for i, (name, reply) in enumerate(zip(names, replies, strict=True)):
         queued, in_flight, first_entry, now = int(reply[0]), int(reply[1]), text(reply[2]), int(reply[3])

@@ -103,7 +103,11 @@ class Directory:
 
     async def _fetch(self) -> list[AgentInfo]:
         bus = self._bus
-        agents = sorted(m.decode() for m in await bus.redis.smembers(bus.keys.agents))
+        return await self.of(sorted(m.decode() for m in await bus.redis.smembers(bus.keys.agents)))
+
+    async def of(self, agents: Sequence[str]) -> list[AgentInfo]:
+        """Those of ``agents`` with a live worker, read now (not cached)."""
+        bus = self._bus
         if not agents:
             return []
         async with bus.redis.pipeline(transaction=False) as pipe:

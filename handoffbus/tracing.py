@@ -54,15 +54,21 @@ def _attributes(operation: str, destination: str, handoff_id: str, **more: Any) 
 
 
 @contextlib.contextmanager
-def send_span(destination: str, handoff_id: str) -> Iterator[None]:
-    """The requester's send span, current while the request is built and written."""
+def _span(operation: str, destination: str, kind: SpanKind, attributes: Mapping[str, Any],
+          parent: Mapping[str, str] | None = None) -> Iterator[None]:
+    """A span current for the block, when an SDK provider records spans; nothing otherwise."""
     if not active():
         yield
         return
-    tracer = trace.get_tracer("handoffbus")
-    with tracer.start_as_current_span(f"send {destination}", kind=SpanKind.PRODUCER,
-                                      attributes=_attributes("send", destination, handoff_id)):
+    context = propagate.extract(parent) if parent else None
+    with trace.get_tracer("handoffbus").start_as_current_span(
+            f"{operation} {destination}", context=context, kind=kind, attributes=attributes):
         yield
+
+
+def send_span(destination: str, handoff_id: str) -> contextlib.AbstractContextManager[None]:
+    """The requester's send span, current while the request is built and written."""
+    return _span("send", destination, SpanKind.PRODUCER, _attributes("send", destination, handoff_id))
 
 
 def with_trace_context(metadata: Mapping[str, Any]) -> dict[str, Any]:
@@ -74,31 +80,20 @@ def with_trace_context(metadata: Mapping[str, Any]) -> dict[str, Any]:
     return {**metadata, **{k: v for k, v in carrier.items() if k in TRACE_KEYS}}
 
 
-@contextlib.contextmanager
 def consumer_span(operation: str, destination: str, handoff_id: str, metadata: Mapping[str, Any],
-                  group: str, consumer: str) -> Iterator[None]:
+                  group: str, consumer: str) -> contextlib.AbstractContextManager[None]:
     """A worker's receive or process span: a child of the requester's span, when the request
     carried one."""
-    if not active():
-        yield
-        return
+    if not active():  # before building the attributes: this runs for every handoff
+        return contextlib.nullcontext()
     carrier = {k: str(metadata[k]) for k in TRACE_KEYS if isinstance(metadata.get(k), str)}
-    parent = propagate.extract(carrier) if carrier else None
-    tracer = trace.get_tracer("handoffbus")
-    attributes = _attributes(operation, destination, handoff_id, **{
-        "messaging.consumer.group.name": group, "messaging.client.id": consumer})
-    with tracer.start_as_current_span(f"{operation} {destination}", context=parent, kind=SpanKind.CONSUMER,
-                                      attributes=attributes):
-        yield
+    return _span(operation, destination, SpanKind.CONSUMER, _attributes(operation, destination, handoff_id, **{
+        "messaging.consumer.group.name": group, "messaging.client.id": consumer}), carrier)
 
 
-@contextlib.contextmanager
-def settle_span(destination: str, handoff_id: str, status: str) -> Iterator[None]:
+def settle_span(destination: str, handoff_id: str, status: str) -> contextlib.AbstractContextManager[None]:
     """The worker writing the outcome (a child of the current process span)."""
     if not active():
-        yield
-        return
-    tracer = trace.get_tracer("handoffbus")
-    with tracer.start_as_current_span(f"settle {destination}", kind=SpanKind.CLIENT, attributes=_attributes(
-            "settle", destination, handoff_id, **{"handoffbus.status": status})):
-        yield
+        return contextlib.nullcontext()
+    return _span("settle", destination, SpanKind.CLIENT,
+                 _attributes("settle", destination, handoff_id, **{"handoffbus.status": status}))

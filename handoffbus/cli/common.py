@@ -70,10 +70,8 @@ def usage_error(message: str) -> NoReturn:
 
 
 def open_bus(opts: Options, command: str, **settings: Any) -> HandoffBus:
-    try:
-        return HandoffBus.connect(opts.url(command), prefix=opts.prefix, **settings)
-    except (InvalidRequest, InvalidName) as exc:
-        usage_error(str(exc))
+    """A bus for a command (bad settings raise, and ``run`` reports them as usage errors)."""
+    return HandoffBus.connect(opts.url(command), prefix=opts.prefix, **settings)
 
 
 def run(func: Callable[..., Awaitable[int]], *args: Any) -> None:

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import anyio
 import typer
+from redis.exceptions import ResponseError
 
 from ..a2a import utc_iso
 from ..context import deserialize_context, serialize_context
@@ -167,17 +168,16 @@ def status(
 
 async def _status(opts: Options, handoff_id: str, watch: bool, interval: float) -> int:
     async with open_bus(opts, "status") as bus:
-        requester, _ = split_handoff_id(handoff_id)
-        client = bus.client(requester)
         shown: tuple[HandoffStatus, int] | None = None
         while True:
-            record = await client.get_handoff_status(handoff_id)
-            if record is None:
+            found = await bus.read_record(handoff_id)  # the record, and the server's time of the read
+            if found is None:
                 console.print(f"no handoff {handoff_id}") if not opts.json else emit_json(None)
                 return EXIT_FAILED
+            now_ms, _, record = found
             if (record.status, len(record.history)) != shown:
                 shown = (record.status, len(record.history))
-                show_record(opts, record, await bus.server_time_ms())
+                show_record(opts, record, now_ms)
             if not watch or record.terminal:
                 return EXIT_OK
             await anyio.sleep(interval)  # an operator's view: a look every interval
@@ -199,7 +199,6 @@ def show_record(opts: Options, record: HandoffRecord, now_ms: int) -> None:
              ("created", f"{utc_iso(record.created_ms)} ({ago(record.created_ms, now_ms)})")]
     if record.status is HandoffStatus.PENDING:
         rows.append(("deadline", f"{utc_iso(record.deadline_ms)} ({ago(record.deadline_ms, now_ms)})"))
-    if record.status is HandoffStatus.PENDING:
         rows.append(("waiting for", request.to_agent or "a capable agent"))
     elif response.accepting_agent or record.lease:
         held = response.accepting_agent or "?"
@@ -244,17 +243,18 @@ async def _pending(opts: Options, agent: str, idle: int | None, count: int) -> i
         now = await bus.server_time_ms()
         queued = [] if idle is not None else (await bus.client("cli").get_pending_handoffs(agent))[:count]
         keys = bus.keys.target(agent)
-        entries: list[dict[str, Any]] = []
-        if await bus.redis.exists(keys.inbox):
-            index = {v.decode(): k.decode() for k, v in (await bus.redis.hgetall(keys.inflight)).items()}
-            try:
-                rows = await bus.redis.xpending_range(keys.inbox, GROUP, min="-", max="+", count=count,
-                                                      idle=idle)
-            except Exception:  # no consumer group yet: nothing in flight
-                rows = []
-            entries = [{"handoff_id": index.get(r["message_id"].decode(), "?"), "entry_id": r["message_id"].decode(),
-                        "consumer": r["consumer"].decode(), "idle_ms": int(r["time_since_delivered"]),
-                        "deliveries": int(r["times_delivered"])} for r in rows]
+        async with bus.redis.pipeline(transaction=False) as pipe:  # one slot: one round trip
+            pipe.hgetall(keys.inflight)
+            pipe.xpending_range(keys.inbox, GROUP, min="-", max="+", count=count, idle=idle)
+            inflight, rows = await pipe.execute(raise_on_error=False)
+        if isinstance(rows, ResponseError):  # no inbox or consumer group yet: nothing in flight
+            rows = []
+        elif isinstance(rows, BaseException):
+            raise rows
+        index = {v.decode(): k.decode() for k, v in inflight.items()}
+        entries = [{"handoff_id": index.get(r["message_id"].decode(), "?"), "entry_id": r["message_id"].decode(),
+                    "consumer": r["consumer"].decode(), "idle_ms": int(r["time_since_delivered"]),
+                    "deliveries": int(r["times_delivered"])} for r in rows]
         if opts.json:
             emit_json({"agent": agent, "queued": queued, "in_flight": entries})
             return EXIT_OK

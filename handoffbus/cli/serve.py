@@ -45,12 +45,17 @@ def _logging() -> None:
     logging.basicConfig(level=logging.INFO, format=FORMAT)
 
 
-def load_agent_class(spec: str) -> type[Agent]:
-    module_name, _, class_name = spec.partition(":")
+def _import(spec: str) -> Any:
+    """The attribute named by ``module.path:attribute``; a usage error if it cannot be loaded."""
+    module_name, _, attribute = spec.partition(":")
     try:
-        agent_class = getattr(importlib.import_module(module_name), class_name)
+        return getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError, ValueError) as exc:
         usage_error(f"cannot load {spec!r}: {exc}")
+
+
+def load_agent_class(spec: str) -> type[Agent]:
+    agent_class = _import(spec)
     if not (isinstance(agent_class, type) and issubclass(agent_class, Agent)):
         usage_error(f"{spec!r} is not an Agent subclass")
     return agent_class
@@ -61,11 +66,7 @@ def load_sdk_agent(spec: str) -> Agent:
     from ..integrations.openai_agents import SdkAgent
 
     target, _, agent_id = spec.partition("=")
-    module_name, _, attribute = target.partition(":")
-    try:
-        found = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError, ValueError) as exc:
-        usage_error(f"cannot load {target!r}: {exc}")
+    found = _import(target)
     try:
         from agents import Agent as SdkAgentClass
     except ImportError:

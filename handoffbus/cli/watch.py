@@ -3,6 +3,7 @@ check for container probes."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections import deque
@@ -143,7 +144,7 @@ async def _top(opts: Options, agents: list[str] | None, interval: float, iterati
         history: deque[tuple[float, list[AgentView]]] = deque()  # (monotonic time, views)
         live = Live(console=console, auto_refresh=False) if console.is_terminal and not opts.json else None
         shown = 0
-        with live if live is not None else _nothing():
+        with live if live is not None else contextlib.nullcontext():
             while True:
                 views = await observe_agents(bus, agents)
                 now = time.monotonic()
@@ -161,14 +162,6 @@ async def _top(opts: Options, agents: list[str] | None, interval: float, iterati
                 if iterations and shown >= iterations:
                     return EXIT_OK
                 await anyio.sleep(interval)  # the refresh timer
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 # ---------------------------------------------------------------------- check

@@ -13,6 +13,7 @@ agents, self or duplicate edges and bad types are ``ScenarioError`` with the rea
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -210,10 +211,9 @@ def render_context_vars(templates: Mapping[str, str], variables: Mapping[str, An
         return {}
     try:
         from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError as exc:
         raise ScenarioError("context_vars need jinja2: pip install 'handoffbus[scenarios]'") from exc
-    env = _environment(ImmutableSandboxedEnvironment)
+    env = _sandbox()
     rendered: dict[str, Any] = {}
     for name, template in templates.items():
         try:
@@ -225,15 +225,13 @@ def render_context_vars(templates: Mapping[str, str], variables: Mapping[str, An
     return rendered
 
 
-_environments: dict[type, Any] = {}
+@functools.cache
+def _sandbox() -> Any:
+    """One sandboxed environment, built at the first render (its template cache is kept)."""
+    from jinja2 import StrictUndefined
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-
-def _environment(kind: type) -> Any:
-    if kind not in _environments:
-        from jinja2 import StrictUndefined
-
-        _environments[kind] = kind(undefined=StrictUndefined, autoescape=False)
-    return _environments[kind]
+    return ImmutableSandboxedEnvironment(undefined=StrictUndefined, autoescape=False)
 
 
 def sanitize_shared_context(shared: Mapping[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -29,9 +29,6 @@ __all__ = ["HANDOFF_TOOL", "ToolCallError", "TransferTarget", "handoff_tool", "r
 
 HANDOFF_TOOL = "handoff_to_agent"
 
-IsEnabled = bool | Callable[[Any], bool] | Callable[[Any], Awaitable[bool]]
-
-
 class ToolCallError(HandoffbusError):
     """A model's handoff tool call that cannot be made; the message tells the model why and
     what it may call instead."""
@@ -42,7 +39,7 @@ class TransferTarget(msgspec.Struct, frozen=True, kw_only=True):
 
     agent: str
     description: str = ""
-    is_enabled: Any = True  # IsEnabled: a bool, or a callable (sync or async) of the run context
+    is_enabled: Any = True  # a bool, or a callable (sync or async) of the run context
 
 
 def transfer_tool_name(agent: str) -> str:
