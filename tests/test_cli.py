@@ -237,6 +237,9 @@ def test_check_for_probes(cli: Cli, worker: subprocess.Popen[str]) -> None:
     assert any("oldest queued handoff waited" in p for p in json.loads(old.stdout)["problems"])
     down = CliRunner().invoke(app, ["check", "--redis-url", "redis://127.0.0.1:1/0"])
     assert down.exit_code == 1 and "Redis unavailable" in down.stderr
+    # no server given at all is a usage error (2), not an unhealthy server
+    unset = CliRunner(env={"HANDOFFBUS_REDIS_URL": "", "REDIS_URL": ""}).invoke(app, ["check"])
+    assert unset.exit_code == 2 and "needs a server" in unset.stderr and "unavailable" not in unset.stderr
 
 
 # ---------------------------------------------------------------------- global options and exit codes

@@ -192,6 +192,8 @@ async def _check(opts: Options, agents: list[str], max_backlog_age: float) -> in
         async with open_bus(opts, "check") as bus:
             await bus.redis.ping()
             views = await observe_agents(bus, agents) if agents else []
+    except typer.Exit:
+        raise  # a usage error (no server given): exit 2, not "unhealthy"
     except Exception as exc:
         problems.append(f"Redis unavailable: {exc}")
     for view in views:
