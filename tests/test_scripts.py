@@ -100,3 +100,23 @@ async def test_closing_the_bus_fails_calls_still_waiting(backend: str, servers: 
             await anyio.lowlevel.checkpoint()
             # the bus closed while calls were queued or on the wire
     assert failures and all("closed" in str(f) for f in failures)
+
+
+async def test_settling_takes_any_number_of_handoffs_in_one_call(bus: HandoffBus) -> None:
+    # settle works on the whole list at once, in slices past what Lua's unpack() takes: more
+    # than a slice, repeats and ids that are neither queued nor in flight all count right
+    hids = [f"a~r{i}" for i in range(2600)]
+    for hid in hids:
+        assert await bus.enqueue("b", hid, 0)
+    inbox = Inbox(bus, "b", "w1")
+    _, taken = await inbox.take(2100)
+    assert len(taken) == 2100
+    keys = bus.keys.target("b")
+    assert await bus.redis.xpending(keys.inbox, "workers") and await bus.redis.hlen(keys.inflight) == 2100
+    # 2,100 in flight and 500 queued settled, each once, with repeats and unknown ids mixed in
+    assert await bus.settle("b", [*hids, *hids[:50], "a~never"]) == 2600
+    assert await bus.redis.zcard(keys.queue) == 0
+    assert await bus.redis.hlen(keys.inflight) == 0
+    assert await bus.redis.xlen(keys.inbox) == 0
+    assert (await bus.redis.xpending(keys.inbox, "workers"))["pending"] == 0
+    assert await bus.settle("b", hids) == 0  # nothing left to settle

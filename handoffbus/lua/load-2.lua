@@ -11,9 +11,9 @@
   before decoding it; the lease tells a running handler whether its hold still stands.
 ]]
 local row = redis.call('HMGET', KEYS[1], 'status', 'env', 'agent', 'attempt', 'created', 'deadline', 'id',
-  'from', 'to', 'routed', 'caps', 'sig')
+  'from', 'to', 'routed', 'caps', 'sig', 'lease')
 local t = redis.call('TIME')
+row[14] = row[13]
 row[13] = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-row[14] = redis.call('HGET', KEYS[1], 'lease')
 if row[1] then row[2] = redis.call('GET', KEYS[2]) or row[2] end  -- or a pre-split record's own field
 return row

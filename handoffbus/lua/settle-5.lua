@@ -9,6 +9,6 @@
 ]]
 -- @include queue
 
-local removed = 0
-for i = 2, #ARGV do removed = removed + settle(ARGV[1], ARGV[i]) end
-return removed
+local hids = {}
+for i = 2, #ARGV do hids[#hids + 1] = ARGV[i] end
+return settle(ARGV[1], hids)

@@ -13,7 +13,9 @@
 -- @include queue
 
 local group, consumer, count = ARGV[1], ARGV[2], tonumber(ARGV[3])
-for i = 4, #ARGV do settle(group, ARGV[i]) end
+local done = {}
+for i = 4, #ARGV do done[#done + 1] = ARGV[i] end
+settle(group, done)
 
 local out = {'0-0'}
 local bell = redis.call('XREVRANGE', KEYS[5], '+', '-', 'COUNT', 1)

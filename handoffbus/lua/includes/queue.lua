@@ -8,15 +8,31 @@
     KEYS[5] doorbell         <p>:{T}:bell      (stream, MAXLEN 1: rung on every enqueue)
 ]]
 
--- Remove a handoff from the queue, or acknowledge and delete its in-flight inbox entry.
-local function settle(group, hid)
-  local removed = redis.call('ZREM', KEYS[1], hid)
-  local entry = redis.call('HGET', KEYS[3], hid)
-  if entry then
-    redis.call('XACK', KEYS[2], group, entry)
-    redis.call('XDEL', KEYS[2], entry)
-    redis.call('HDEL', KEYS[3], hid)
-    removed = removed + 1
+-- Lua's unpack() takes a few thousand values at most: longer lists go in slices of this many.
+local SLICE = 1000
+
+-- Remove handoffs from the queue, and acknowledge and delete their in-flight inbox entries:
+-- a handful of commands for the whole list, not five per handoff. Returns how many queue
+-- members and inbox entries were removed.
+local function settle(group, hids)
+  local removed, seen, unique = 0, {}, {}
+  for _, hid in ipairs(hids) do
+    if not seen[hid] then seen[hid] = true; unique[#unique + 1] = hid end
+  end
+  for first = 1, #unique, SLICE do
+    local slice = {unpack(unique, first, math.min(first + SLICE - 1, #unique))}
+    removed = removed + redis.call('ZREM', KEYS[1], unpack(slice))
+    local entries = redis.call('HMGET', KEYS[3], unpack(slice))
+    local ids, held = {}, {}
+    for i = 1, #slice do
+      if entries[i] then ids[#ids + 1] = entries[i]; held[#held + 1] = slice[i] end
+    end
+    if #ids > 0 then
+      redis.call('XACK', KEYS[2], group, unpack(ids))
+      redis.call('XDEL', KEYS[2], unpack(ids))
+      redis.call('HDEL', KEYS[3], unpack(held))
+      removed = removed + #ids
+    end
   end
   return removed
 end
@@ -49,11 +65,16 @@ end
 local function deliver(group, consumer, hids, out)
   if #hids == 0 then return out end
   ensure_group(group)
+  local index = {}
   for _, hid in ipairs(hids) do
     local entry = redis.call('XADD', KEYS[2], '*', 'h', hid)
-    redis.call('HSET', KEYS[3], hid, entry)
+    index[#index + 1] = hid
+    index[#index + 1] = entry
     out[#out + 1] = hid
     out[#out + 1] = entry
+  end
+  for first = 1, #index, SLICE do
+    redis.call('HSET', KEYS[3], unpack(index, first, math.min(first + SLICE - 1, #index)))
   end
   -- deliver what was just added (nothing else is undelivered: only this file adds entries)
   redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', #hids, 'STREAMS', KEYS[2], '>')
