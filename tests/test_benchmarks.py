@@ -70,3 +70,18 @@ def test_the_profile_summary_splits_processes_and_leaves_out_the_ceiling(tmp_pat
     assert "100.0%  request_handoff (handoffbus/client.py)" in requester  # lines merged, inclusive
     assert " 25.0%  pack (handoffbus/wire.py)" in requester and "ceiling" not in text and "threading" not in text
     assert "100.0%  _handle (handoffbus/workers/runner.py)" in worker_part
+
+
+def test_the_script_cost_breakdown_covers_every_step(tmp_path: Path) -> None:
+    result = run_script("script_costs.py", tmp_path / "costs.json", "--n", "300")
+    phases = {p["phase"]: p for p in result["phases"]}
+    assert list(phases) == ["request_handoff (request + enqueue)", "enqueue alone", "take", "load", "accept",
+                            "complete", "settle (in a take)"]
+    # one script call per handoff for each step but take and settle, which serve up to 100 at a time
+    for name in ("enqueue alone", "load", "accept", "complete"):
+        assert phases[name]["evalsha_calls"] == 300, name
+    assert phases["request_handoff (request + enqueue)"]["evalsha_calls"] == 600
+    assert 3 <= phases["take"]["evalsha_calls"] < 30 and 3 <= phases["settle (in a take)"]["evalsha_calls"] < 30
+    for p in phases.values():  # a script's time includes its commands' time
+        assert p["evalsha_us_per_call"] >= p["commands_us_per_call"] > 0, p["phase"]
+    assert result["per_lifecycle"]["evalsha_us"] > 0 and result["request_script_us"] > 0

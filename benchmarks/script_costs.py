@@ -1,0 +1,185 @@
+"""Server time per step of a direct handoff: what each script costs Redis.
+
+    python benchmarks/script_costs.py [--url URL] [--n 5000] [--payload 1024]
+                                      [--json benchmarks/results/script_costs.json]
+
+Runs the steps of ``--n`` direct handoffs one phase at a time, each through the library's own
+calls, 100 at once so that the batcher pipelines them as it does in production:
+
+    request_handoff (the request and enqueue scripts), enqueue alone (on a second agent, to
+    tell the two apart), take, load, accept, complete, and the settling that rides on a take.
+
+Around each phase it reads ``INFO commandstats`` and ``INFO cpu``. Per call it prints the
+EVALSHA time (the whole script: its Lua and the commands it runs), the commands' own time,
+and what is left, which is the Lua and the cost of each ``redis.call``; per handoff, the
+server's CPU, sockets included. ``SLOWLOG`` is not used: logging every call adds its own cost
+to each. The server should be otherwise idle: its counters are server-wide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any
+
+import anyio
+import redis.asyncio as aioredis
+from bench_core import (
+    REQUESTER,
+    TARGET,
+    _nothing,
+    benchmark_parser,
+    commandstats,
+    delta,
+    environment,
+    padded_context,
+    run_and_report,
+    server_cpu,
+    server_info,
+)
+
+from handoffbus import EmbeddedServer, HandoffBus, HandoffRequest
+from handoffbus.workers.inbox import Inbox
+
+#: commands that are not the scripts' own (the requester's response reader, the readings)
+_OUTSIDE = frozenset({"EVALSHA", "XREAD", "CONFIG|RESETSTAT", "SCRIPT|LOAD"})
+WINDOW = 100
+CONSUMER = "consumer-1"
+
+
+async def in_windows(items: Sequence[Any], step: Callable[[Any], Coroutine[Any, Any, Any]]) -> None:
+    """``step`` for every item, WINDOW at a time (the batcher pipelines a window's calls)."""
+    for first in range(0, len(items), WINDOW):
+        async with anyio.create_task_group() as tg:
+            for item in items[first:first + WINDOW]:
+                tg.start_soon(step, item)
+
+
+async def phase(
+    stats: aioredis.Redis, name: str, handoffs: int, body: Callable[[], Awaitable[None]]
+) -> dict[str, Any]:
+    (calls0, usec0), cpu0 = await commandstats(stats), await server_cpu(stats)
+    await body()
+    (calls1, usec1), cpu1 = await commandstats(stats), await server_cpu(stats)
+    calls, usec = delta(calls1, calls0), delta(usec1, usec0)
+    evalsha = calls.get("EVALSHA", 0)
+    inner = sum(v for k, v in usec.items() if k not in _OUTSIDE)
+    return {
+        "phase": name, "handoffs": handoffs, "evalsha_calls": evalsha,
+        "evalsha_us_per_call": round(usec.get("EVALSHA", 0) / max(evalsha, 1), 2),
+        "commands_us_per_call": round(inner / max(evalsha, 1), 2),
+        "commands_per_call": round(sum(v for k, v in calls.items() if k not in _OUTSIDE) / max(evalsha, 1), 2),
+        "evalsha_us_per_handoff": round(usec.get("EVALSHA", 0) / handoffs, 2),
+        "server_cpu_us_per_handoff": round((cpu1 - cpu0) / handoffs * 1e6, 1),
+    }
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    n, context = args.n, padded_context(args.payload)
+    prefix = f"costs{os.getpid()}"
+    async with EmbeddedServer() if args.url is None else _nothing() as server:
+        url = args.url if server is None else server.url
+        async with contextlib.AsyncExitStack() as stack:
+            stats = aioredis.Redis.from_url(url)
+            stack.push_async_callback(stats.aclose)
+            bus = await stack.enter_async_context(HandoffBus.connect(url, prefix=prefix))
+            if args.url is not None:
+                stack.push_async_callback(bus.clear, confirm=prefix)
+            requester, target = bus.client(REQUESTER), bus.client(TARGET)
+            inbox = Inbox(bus, TARGET, CONSUMER)
+            handles: list[Any] = []
+            taken: list[str] = []
+
+            async def request(i: int) -> None:
+                handles.append(await requester.request_handoff(HandoffRequest(
+                    from_agent=REQUESTER, to_agent=TARGET, reason="cost", context_snapshot=context, timeout=600)))
+
+            async def take_all() -> None:
+                while len(taken) < n:
+                    _, got = await inbox.take(WINDOW)
+                    taken.extend(d.handoff_id for d in got)
+
+            async def settle_all() -> None:
+                for first in range(0, n, WINDOW):
+                    await inbox.take(0, settle=taken[first:first + WINDOW])
+
+            async def load(first: int) -> None:
+                await inbox.load(taken[first:first + WINDOW])
+
+            def transition(name: str, fields: dict[str, Any]) -> Callable[[], Awaitable[None]]:
+                async def one(hid: str) -> None:  # as a worker does: its next take settles
+                    await target._transition(name, hid, fields, settle=False)
+                return lambda: in_windows(taken, one)
+
+            async def enqueue_alone() -> None:
+                await in_windows(range(n), lambda i: bus.enqueue("cost-other", f"{REQUESTER}~x{i}", 0))
+
+            await in_windows(range(min(n, 500)), request)  # warm up: scripts loaded, pools grown
+            await bus.clear(confirm=prefix)
+            handles.clear()
+            await bus.redis.config_resetstat()
+            phases = [
+                await phase(stats, "request_handoff (request + enqueue)", n, lambda: in_windows(range(n), request)),
+                await phase(stats, "enqueue alone", n, enqueue_alone),
+                await phase(stats, "take", n, take_all),
+                await phase(stats, "load", n, lambda: in_windows(range(0, n, WINDOW), load)),
+                await phase(stats, "accept", n, transition("accept", {"lease": CONSUMER})),
+                await phase(stats, "complete", n, transition(
+                    "complete", {"result": bus.codec.dumps_value({"ok": True}), "lease": CONSUMER})),
+                await phase(stats, "settle (in a take)", n, settle_all),
+            ]
+            server_desc = await server_info(stats)
+    by_name = {p["phase"]: p for p in phases}
+    both, alone = by_name["request_handoff (request + enqueue)"], by_name["enqueue alone"]
+    request_only = round(both["evalsha_us_per_handoff"] - alone["evalsha_us_per_handoff"], 2)
+    lifecycle = [p for p in phases if p["phase"] != "enqueue alone"]
+    return {
+        "config": {"url": args.url or "embedded (unix socket)", "n": n, "payload": args.payload,
+                   "context_bytes": len(context), "window": WINDOW},
+        "environment": environment(server_desc),
+        "phases": phases,
+        "request_script_us": request_only,
+        "per_lifecycle": {
+            "evalsha_us": round(sum(p["evalsha_us_per_handoff"] for p in lifecycle), 1),
+            "server_cpu_us": round(sum(p["server_cpu_us_per_handoff"] for p in lifecycle), 1),
+        },
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    env, cfg = result["environment"], result["config"]
+    lines = [f"server   {env['server']} {env['version']}, {cfg['url']}; {env['cpus']} CPUs; n {cfg['n']}, "
+             f"{cfg['context_bytes']} B contexts, {cfg['window']} calls at a time", "",
+             f"{'phase':38}{'calls':>7}{'EVALSHA us':>12}{'commands us':>13}{'(count)':>9}{'Lua+calls us':>14}"
+             f"{'us/handoff':>12}{'server CPU us':>15}"]
+    for p in result["phases"]:
+        per_handoff = p["evalsha_calls"] / p["handoffs"]
+        lua = p["evalsha_us_per_call"] - p["commands_us_per_call"]
+        lines.append(f"{p['phase']:38}{per_handoff:>7.2f}{p['evalsha_us_per_call']:>12.2f}"
+                     f"{p['commands_us_per_call']:>13.2f}{p['commands_per_call']:>9.1f}{lua:>14.2f}"
+                     f"{p['evalsha_us_per_handoff']:>12.2f}{p['server_cpu_us_per_handoff']:>15.1f}")
+    life = result["per_lifecycle"]
+    lines += ["", f"request script alone (first phase less the second): {result['request_script_us']:.2f} us",
+              f"per lifecycle (every phase but 'enqueue alone'): EVALSHA {life['evalsha_us']:.1f} us, "
+              f"server CPU {life['server_cpu_us']:.1f} us",
+              "calls = script calls per handoff; the us columns are per call, but for us/handoff and server CPU"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = benchmark_parser(__doc__)
+    parser.add_argument("--n", type=int, default=5000, help="handoffs (default 5000)")
+    parser.add_argument("--payload", type=int, default=1024, help="context bytes (default 1024)")
+    parser.add_argument("--json", default="benchmarks/results/script_costs.json", help="where to write the results")
+    args = parser.parse_args(argv)
+    if args.n <= 0 or args.payload < 0:
+        parser.error("--n must be positive and --payload non-negative")
+    run_and_report(run, args, render)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
