@@ -24,7 +24,8 @@ __all__ = ["AGENT_COMMANDS", "AclUser", "agent_user", "forwarder_user", "monitor
 
 _CONNECTION = ("hello", "auth", "ping", "select", "info", "time", "client|setname",
                "client|getname", "client|id", "command|docs", "readonly")
-_SCRIPTS = ("evalsha", "evalsha_ro", "script|load", "script|exists")  # EVALSHA only: scripts are the bus's own
+#: EVALSHA only: scripts are the bus's own; they are loaded all at once, in a MULTI
+_SCRIPTS = ("evalsha", "evalsha_ro", "script|load", "script|exists", "multi", "exec", "discard")
 _STREAMS = ("xadd", "xread", "xreadgroup", "xack", "xclaim", "xautoclaim", "xpending", "xrange", "xrevrange",
             "xdel", "xlen", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "xgroup|create",
             "xgroup|createconsumer")
@@ -40,7 +41,7 @@ _FORWARDER_EXTRA = ("scan", "cluster|slots", "cluster|shards", "cluster|myid", "
 _READS = ("xread", "xrange", "xrevrange", "xlen", "xpending", "xinfo|stream", "xinfo|groups", "xinfo|consumers",
           "get", "exists", "type", "pttl", "hget", "hmget", "hgetall", "hlen", "hexists", "hscan", "zrange",
           "zrangebyscore", "zcard", "zscore", "zcount", "smembers", "sismember", "sscan", "scan",
-          "evalsha_ro", "script|load", "script|exists")
+          "evalsha_ro", "script|load", "script|exists", "multi", "exec", "discard")
 
 
 class AclUser:

@@ -23,7 +23,7 @@ from anyio.abc import TaskStatus
 
 from .cluster import ClusterSender, is_cluster
 from .errors import HandoffbusError
-from .scripts import Script
+from .scripts import Script, Scripts
 from .wire import Group, ScriptCall, exchange, no_script
 
 __all__ = ["ScriptBatcher"]
@@ -33,8 +33,9 @@ NOSCRIPT_ROUNDS = 5
 
 
 class ScriptBatcher:
-    def __init__(self, redis: Any, *, senders: int = 2, max_batch: int = 512) -> None:
+    def __init__(self, redis: Any, scripts: Scripts, *, senders: int = 2, max_batch: int = 512) -> None:
         self._redis = redis
+        self._scripts = scripts
         self._senders = senders
         self._max_batch = max_batch
         self._queue: list[ScriptCall] = []
@@ -132,8 +133,9 @@ class ScriptBatcher:
             for _ in range(NOSCRIPT_ROUNDS):  # the cache may be flushed again between load and retry
                 if not missing:
                     break
-                for script in {c.script.name: c.script for c in missing}.values():
-                    await self._redis.script_load(script.source)
+                # every script at once, never one by one: a group whose later script came back
+                # before its earlier one would run out of order (see Scripts.load_all)
+                await self._scripts.load_all(self._redis)
                 retried = dict(zip(map(id, missing), await self._execute(missing), strict=True))
                 replies = [retried.get(id(c), r) for c, r in zip(batch, replies, strict=True)]
                 missing = [c for c in missing if no_script(retried[id(c)])]

@@ -195,7 +195,7 @@ class HandoffBus:
             await self._check_server()
             await self.scripts.load_all(self.redis)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
-            self._batcher = ScriptBatcher(self.redis)
+            self._batcher = ScriptBatcher(self.redis, self.scripts)
             await self._tg.start(self._batcher.run)
             if self._outbox is not None:
                 await self._tg.start(self._outbox.start)  # the forwarder's bus sweeps, not this one

@@ -52,6 +52,9 @@ def rejection_fields(
     return {"reason": reason, "code": code, "retry": retry_after_ms, "redirect": redirect_to}
 
 
+#: how the deadline index marks a routed handoff's offer entry ("o:<request id>")
+OFFER_MARK = "o:"
+
 #: metadata that says how a request was sent, not what it asks: the trace it was sent from,
 #: and the scenario's resolution (its greeting and templates may differ between sends)
 NOT_IDENTITY = (*tracing.TRACE_KEYS, "hb.handoff")
@@ -104,6 +107,9 @@ class HandoffClient:
             raise InvalidRequest("a request needs to_agent, or capabilities_required for routing")
         caps = list(check_names(request.capabilities_required, "capability"))
         request_id = check_name(request.request_id, "request id") if request.request_id else uuid.uuid4().hex
+        if request_id.startswith(OFFER_MARK):
+            raise InvalidRequest(f"request ids starting with {OFFER_MARK!r} are reserved: the deadline index "
+                                 "keeps a routed handoff's offer under that prefix")
         if type(request.priority) is not int or abs(request.priority) > MAX_PRIORITY:
             raise InvalidRequest(f"priority must be an int in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
         timeout = self._bus.config.default_timeout if request.timeout is None else request.timeout
@@ -137,10 +143,14 @@ class HandoffClient:
         or one that breaks the loop guards, raises ``RouteRefused`` before anything is
         written; ``variables`` are what the scenario's ``context_vars`` templates may use.
 
-        Two idempotent scripts, sent in this order in one round trip: the record in this agent's
-        slot, then the target's queue. A crash between them leaves a PENDING record that a retry
+        Two idempotent scripts, sent in this order: the record in this agent's slot, then the
+        target's queue (or the route). A crash between them leaves a PENDING record that a retry
         with the same request_id re-queues, or that expires at its deadline; nothing is doubled.
+        With a generated request id both go in one round trip; with the caller's own, the queue
+        step waits for the record's answer, so that a conflicting or decided handoff is never
+        queued again.
         """
+        resubmittable = bool(request.request_id)  # the caller's own id; a new one is generated
         request = self._normalize(request)
         if not request.to_agent and fail_fast and self._bus.isolated is not None:
             raise InvalidRequest("fail_fast needs the live agents, which an isolated agent cannot read")
@@ -148,7 +158,7 @@ class HandoffClient:
         if self._bus.policy is not None:
             request = await self._bus.policy.prepare(self._bus, request, handoff_id, variables)
         if not tracing.active():  # the common case: nothing to record, nothing to carry
-            return await self._request(request, handoff_id, fail_fast)
+            return await self._request(request, handoff_id, fail_fast, resubmittable)
         keys = self._bus.keys
         destination = (keys.target(request.to_agent).inbox if request.to_agent
                        else keys.route(set_id(capability_set(request.capabilities_required))).queue)
@@ -156,16 +166,24 @@ class HandoffClient:
             traced = tracing.with_trace_context(request.metadata)
             if traced != request.metadata:
                 request = msgspec.structs.replace(request, metadata=traced)
-            return await self._request(request, handoff_id, fail_fast)
+            return await self._request(request, handoff_id, fail_fast, resubmittable)
 
-    async def _request(self, request: HandoffRequest, handoff_id: str, fail_fast: bool) -> HandoffHandle:
+    async def _request(
+        self, request: HandoffRequest, handoff_id: str, fail_fast: bool, resubmittable: bool
+    ) -> HandoffHandle:
         envelope = self._bus.codec.dumps(request)
         fingerprint = request_fingerprint(request)
         bus = self._bus
         keys = bus.keys.record(self.agent_id, request.request_id)
         await bus.register_requester(self.agent_id)
         reader = bus.reader(self.agent_id, self._refresh)
+        shared = reader.watching(handoff_id)  # a handle from an earlier request may hold it
         waiter = reader.watch(handoff_id)
+
+        def let_go() -> None:
+            if not shared:
+                reader.forget(waiter)
+
         assert request.timeout is not None
         caps = "" if request.to_agent else capability_set(request.capabilities_required)
         timeout_ms = int(request.timeout * 1000)
@@ -173,40 +191,49 @@ class HandoffClient:
         if bus.keyring is not None:
             signature = bus.keyring.sign(self.agent_id, "request", [
                 handoff_id, self.agent_id, request.to_agent, caps, str(timeout_ms)], envelope, await self._now_ms())
-        calls = [("request", keys.as_list(), [
+        record_call = ("request", keys.as_list(), [
             handoff_id, request.request_id, self.agent_id, request.to_agent, timeout_ms,
             envelope, bus.config.retention_ms, bus.config.response_retention_ms, fingerprint,
             caps, request.priority, int(bus.config.route_guard * 1000), bus.config.max_pending, signature,
-        ])]
+        ])
         if request.to_agent:
-            # the enqueue runs right after the record exists; for a resubmission it finds the
-            # handoff queued or in flight (a no-op), or queues a decided one, taken back below
             await bus.register_target(request.to_agent)
-            calls.append(bus.enqueue_call(request.to_agent, handoff_id, request.priority, bus.config.max_queued))
+            follow = [bus.enqueue_call(request.to_agent, handoff_id, request.priority, bus.config.max_queued)]
         else:
-            calls += await self._route_calls(handoff_id, caps, request, fail_fast)
-        replies = await bus.scripts_many(calls)
-        for failed in replies:
+            follow = await self._route_calls(handoff_id, caps, request, fail_fast)
+        if resubmittable:
+            # the caller's request id may name a handoff that exists: queue or route it only once
+            # the record says it is this request and still PENDING, never another request's (a
+            # conflict) nor a decided one (a worker could take it and run its work again)
+            [reply] = await bus.scripts_many([record_call])
+            pending = not isinstance(reply, BaseException) and (
+                int(reply[0]) == 1 or (int(reply[0]) == 0 and reply[1] == b"PENDING"))
+            followed = await bus.scripts_many(follow) if pending else []
+        else:
+            # a new request id: the record and its queue entry in one round trip, in this order; a
+            # crash between them leaves a PENDING record that expires at its deadline
+            reply, *followed = await bus.scripts_many([record_call, *follow])
+        for failed in (reply, *followed):
             if isinstance(failed, BaseException):
-                reader.forget(waiter)
+                let_go()
                 raise failed
-        reply = replies[0]
         code = int(reply[0])
-        if request.to_agent and replies[1] == QUEUE_FULL:
-            reader.forget(waiter)
+        status = HandoffStatus(reply[1].decode()) if code >= 0 else None
+        enqueued = followed[0] if request.to_agent and followed else None
+        if enqueued == 1 and status is not HandoffStatus.PENDING and bus.isolated is None:
+            # refused (nothing written), or decided already: take back the queue entry this call
+            # added (the queue only: an in-flight entry belongs to the worker handling it)
+            await bus.redis.zrem(bus.keys.target(request.to_agent).queue, handoff_id)
+        if status is None:
+            let_go()
+            raise_for_code(code, handoff_id, self.agent_id, "request", None)
+        if enqueued == QUEUE_FULL:
+            let_go()
             if code == 1:  # created by this call: take it back, so that nothing is left behind
                 await bus.script("withdraw", keys.as_list(), [request.request_id])
             raise_for_code(QUEUE_FULL, handoff_id, self.agent_id, "request", request.to_agent.encode())
-        status = HandoffStatus(reply[1].decode()) if code >= 0 else None
         if code == 1:  # a new handoff ("" for a routed one: counted by listeners, not in Redis)
             bus.tally.add(request.to_agent, "requested")
-        if request.to_agent and replies[1] == 1 and status is not HandoffStatus.PENDING and bus.isolated is None:
-            # a refused or resubmitted-after-decision request: take back the queue entry this
-            # call added (the queue only: an in-flight entry belongs to the worker handling it)
-            await bus.redis.zrem(bus.keys.target(request.to_agent).queue, handoff_id)
-        if status is None:
-            reader.forget(waiter)
-            raise_for_code(code, handoff_id, self.agent_id, "request", None)
         waiter.set_deadline(int(reply[2]), int(reply[3]))
         reader.start(reply[4])
         if status in TERMINAL and request.to_agent:
@@ -253,14 +280,18 @@ class HandoffClient:
         """Read the record (expiring it if due), feed the waiter and make sure the reader runs."""
         found = await self._bus.read_record(waiter.handoff_id)
         if found is None:
+            self._bus.reader(self.agent_id, self._refresh).forget(waiter)
             raise errors.HandoffNotFound(waiter.handoff_id)
         now_ms, cursor, record = found
-        self._bus.reader(self.agent_id, self._refresh).start(cursor)
+        reader = self._bus.reader(self.agent_id, self._refresh)
+        reader.start(cursor)
         if record.status is HandoffStatus.PENDING:
             waiter.set_deadline(now_ms, record.deadline_ms)
         else:
             waiter.deadline_at = None
         waiter.feed_record(record)
+        if waiter.outcome is not None:
+            reader.forget(waiter)  # nothing more will come for it
 
     # ------------------------------------------------------------------ transitions
 

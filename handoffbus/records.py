@@ -166,7 +166,8 @@ def check_response(keyring: Keyring, handoff_id: str, f: Mapping[bytes, bytes]) 
     """Check a stored response's signature (raises SignatureInvalid)."""
     status = (f.get(b"status") or b"").decode(errors="replace")
     actor = (f.get(b"actor") or b"").decode(errors="replace")
-    if unsigned_response(status, actor):
+    code = (f.get(b"code") or b"").decode(errors="replace")
+    if unsigned_response(status, actor, code):
         return
     body = response_body({name: f.get(name.encode()) for name in SIGNED_RESPONSE_FIELDS})
     keyring.verify(f.get(b"sig"), actor, "response", [handoff_id, status, actor], body, 0, window=False)

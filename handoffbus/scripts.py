@@ -108,15 +108,18 @@ class Scripts:
 
     async def load_all(self, redis: Any) -> None:
         """SCRIPT LOAD every script, so the first calls of a burst do not all miss the cache.
-        On a cluster every primary gets them (redis-py sends SCRIPT LOAD to all primaries; a
-        cluster pipeline takes no command meant for several nodes)."""
+        On one server in a MULTI: the cache never holds some of them and not others, so calls
+        sent together in order (a record, then its queue entry) either all run or all meet
+        NOSCRIPT and are sent again in order. On a cluster every primary gets them (redis-py
+        sends SCRIPT LOAD to all primaries; a cluster pipeline takes no command meant for
+        several nodes); calls there go in waves anyway (cluster.py)."""
         from .cluster import is_cluster
 
         if is_cluster(redis):
             for script in self:
                 await redis.script_load(script.source)
             return
-        async with redis.pipeline(transaction=False) as pipe:
+        async with redis.pipeline(transaction=True) as pipe:
             for script in self:
                 pipe.script_load(script.source)
             await pipe.execute()

@@ -52,10 +52,12 @@ def response_body(values: Mapping[str, object]) -> bytes:
     return b"\x1f".join(out)
 
 
-def unsigned_response(status: str, actor: str) -> bool:
-    """Responses the bus itself writes (expiry, a routing verdict): no agent signs them; only
-    the server's access control vouches for them."""
-    return (status == "EXPIRED" and actor == "bus") or actor == "_router"
+def unsigned_response(status: str, actor: str, code: str | None) -> bool:
+    """Responses the bus itself writes, and only those: an expiry, and the router's verdict
+    that no capable agent is live. No agent signs them; only the server's access control
+    vouches for them, so any other status under those actors must be signed."""
+    return (status == "EXPIRED" and actor == "bus") or (
+        status == "REJECTED" and actor == "_router" and code == "NO_CAPABLE_AGENT")
 
 
 class SigningKey(msgspec.Struct, frozen=True, kw_only=True):

@@ -18,6 +18,7 @@ import msgspec
 from redis.exceptions import RedisError
 
 from .backoff import Backoff
+from .errors import HandoffbusError, HandoffNotFound
 from .models import DECISIONS, TERMINAL, HandoffRecord, HandoffResponse, HandoffStatus
 from .records import response_from_fields
 
@@ -105,6 +106,9 @@ class ResponseReader:
             waiter = self._waiters[handoff_id] = Waiter(handoff_id)
         return waiter
 
+    def watching(self, handoff_id: str) -> bool:
+        return handoff_id in self._waiters
+
     def forget(self, waiter: Waiter) -> None:
         if self._waiters.get(waiter.handoff_id) is waiter:
             del self._waiters[waiter.handoff_id]
@@ -126,10 +130,16 @@ class ResponseReader:
             self.forget(waiter)
 
     async def _resync(self) -> None:
+        """Re-read every watched record after a gap in reading (the refresh forgets waiters
+        that got their outcome, and those whose record is gone). A record that cannot be read
+        is logged and stays watched; only Redis errors end the pass, to be tried again."""
         for waiter in list(self._waiters.values()):
-            await self._refresh(waiter)
-            if waiter.outcome is not None:
-                self.forget(waiter)
+            try:
+                await self._refresh(waiter)
+            except HandoffNotFound:
+                log.warning("response reader for %s: %s is gone", self._agent, waiter.handoff_id)
+            except HandoffbusError:
+                log.exception("response reader for %s: cannot read %s", self._agent, waiter.handoff_id)
 
     async def _run(self) -> None:
         redis = self._bus.redis

@@ -377,7 +377,7 @@ def test_no_script_is_built_from_runtime_data() -> None:
     assert violations == []
     # the scan saw the two places that load scripts: it is looking at the right code
     assert any("scripts.py" in s and s.endswith("script_load") for s in senders), senders
-    assert any("batching.py" in s and s.endswith("script_load") for s in senders), senders
+    assert any("cluster.py" in s and s.endswith("script_load") for s in senders), senders
 
 
 def _from_disk(name: str) -> str:

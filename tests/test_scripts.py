@@ -120,3 +120,11 @@ async def test_settling_takes_any_number_of_handoffs_in_one_call(bus: HandoffBus
     assert await bus.redis.xlen(keys.inbox) == 0
     assert (await bus.redis.xpending(keys.inbox, "workers"))["pending"] == 0
     assert await bus.settle("b", hids) == 0  # nothing left to settle
+
+
+async def test_one_call_that_misses_the_script_cache_reloads_every_script(real_bus: HandoffBus) -> None:
+    # all at once: were the scripts loaded one by one as calls missed them, a record and its
+    # queue entry sent together could run queue first (its script back already, not the record's)
+    await real_bus.redis.script_flush()
+    await real_bus.client("a").get_handoff_status("a/nothing")  # one script call
+    assert all(await real_bus.redis.script_exists(*[script.sha for script in real_bus.scripts]))

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from handoffbus import HandoffRequest, HandoffStatus, Keyring, SignatureInvalid, SigningKey, Worker
-from handoffbus.signing import response_body
+from handoffbus.signing import response_body, unsigned_response
 from handoffbus.workers import Accept, Agent, ReceivedHandoff
 
 from .conftest import make_bus, new_prefix
@@ -161,6 +161,9 @@ async def test_responses_are_signed_and_a_forged_one_is_not_believed(
                            response_body(forged), 0)
         await bus.redis.xadd(bus.keys.responses("req"), {
             "id": handle.handoff_id, "status": "COMPLETED", "actor": "watch-1", "ts": "1", **forged, "sig": sig})
+        # and one unsigned, in the name of the router (whose only unsigned verdict is NO_CAPABLE_AGENT)
+        await bus.redis.xadd(bus.keys.responses("req"), {
+            "id": handle.handoff_id, "status": "COMPLETED", "actor": "_router", "ts": "1", **forged})
         async with anyio.create_task_group() as tg:
             worker = Worker(bus, agent)
             await tg.start(worker.run)
@@ -175,6 +178,16 @@ async def test_responses_are_signed_and_a_forged_one_is_not_believed(
         with pytest.raises(SignatureInvalid, match="bad signature"):
             await client.get_handoff_status(handle.handoff_id)
     assert outcome.status is HandoffStatus.COMPLETED and outcome.result == "ok"  # the worker's, not the forgery
-    assert [f[b"status"] for f in entries] == [b"COMPLETED", b"ACCEPTED", b"COMPLETED"]
-    assert all(f[b"sig"].startswith(b"v1.w-1.") for f in entries[1:])  # the worker's key signed both
+    assert [f[b"status"] for f in entries] == [b"COMPLETED", b"COMPLETED", b"ACCEPTED", b"COMPLETED"]
+    assert all(f[b"sig"].startswith(b"v1.w-1.") for f in entries[2:])  # the worker's key signed both
     assert any("undecodable response" in r.getMessage() for r in caplog.records)
+
+
+def test_only_the_bus_own_verdicts_pass_unsigned() -> None:
+    assert unsigned_response("EXPIRED", "bus", None)
+    assert unsigned_response("REJECTED", "_router", "NO_CAPABLE_AGENT")
+    # any other status or code under those names must be signed like an agent's
+    assert not unsigned_response("COMPLETED", "_router", None)
+    assert not unsigned_response("ACCEPTED", "_router", None)
+    assert not unsigned_response("REJECTED", "_router", "BUSY")
+    assert not unsigned_response("COMPLETED", "bus", None)

@@ -116,3 +116,27 @@ async def test_an_idle_worker_settles_finished_handoffs_at_once(real_bus: Handof
                 settled[0] = anyio.Event()
         view = await observe(bus, "echo-1")
     assert (view.queued, view.in_flight, view.oldest_in_flight_s) == (0, 0, None)
+
+
+async def test_an_expiry_is_counted_once_however_often_the_handoff_is_touched(bus: HandoffBus) -> None:
+    from handoffbus import HandoffExpired
+
+    counted: list[tuple[str, str, int]] = []
+
+    class Listener:
+        def counted(self, agent: str, field: str, n: int) -> None:
+            counted.append((agent, field, n))
+
+        def timed(self, agent: str, kind: str, seconds: float) -> None:
+            pass
+
+    bus.tally.listeners.append(Listener())
+    alice, bob = bus.client("alice"), bus.client("bob")
+    handle = await alice.request_handoff(req("alice", "bob", timeout=0.2))
+    with anyio.fail_after(5):
+        assert (await handle.decision()).status is HandoffStatus.EXPIRED
+    for late in (lambda: bob.accept_handoff(handle.handoff_id), lambda: bob.reject_handoff(handle.handoff_id, "no"),
+                 lambda: alice.cancel_handoff(handle.handoff_id)):
+        with pytest.raises(HandoffExpired):
+            await late()
+    assert [c for c in counted if c[1] == "EXPIRED"] == [("bob", "EXPIRED", 1)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from handoffbus import HandoffBus, HandoffResponse, HandoffStatus
+from handoffbus import HandoffBus, HandoffNotFound, HandoffResponse, HandoffStatus
 
 from .helpers import req
 
@@ -83,3 +83,26 @@ async def test_an_idle_reader_outlasts_the_client_library_socket_timeout(
     with anyio.fail_after(10):
         assert (await handle.decision()).status is HandoffStatus.EXPIRED
     assert not [r for r in caplog.records if "lost its connection" in r.getMessage()]
+
+
+async def test_a_resync_outlives_records_that_are_gone(bus: HandoffBus) -> None:
+    alice = bus.client("alice")
+    await alice.request_handoff(req("alice", "bob"))  # alice's reader runs
+    reader = bus.reader("alice", alice._refresh)
+    with pytest.raises(HandoffNotFound):
+        await alice.handle("alice/gone").decision()
+    assert not reader.watching("alice/gone")  # found gone: nothing more can come for it
+    # one watched while its record went (past retention): the pass after a lost connection
+    # re-reads every watched record, and must not end the reader (nor the bus with it)
+    reader.watch("alice/expired-long-ago")
+    await reader._resync()
+    assert not reader.watching("alice/expired-long-ago")
+
+
+async def test_a_handoff_resubmitted_after_its_outcome_is_not_watched(bus: HandoffBus) -> None:
+    alice = bus.client("alice")
+    first = await alice.request_handoff(req("alice", "bob", request_id="r1"))
+    await first.cancel()
+    again = await alice.request_handoff(req("alice", "bob", request_id="r1"))
+    assert (await again.outcome()).status is HandoffStatus.CANCELLED
+    assert not bus.reader("alice", alice._refresh).watching(again.handoff_id)

@@ -14,6 +14,7 @@
     {0, to agent, ...same fields}  this actor already made this transition: nothing written or emitted
     {-1} no such handoff   {-2, current status} invalid transition
     {-3, to agent} the acceptance deadline passed (the record is now EXPIRED and EXPIRED was emitted)
+    {-3, false} it was EXPIRED already (nothing written or emitted)
     {-4} the acting agent may not make this transition
   Events: one entry on KEYS[4]: id, status, actor, ts and the response fields.
 ]]

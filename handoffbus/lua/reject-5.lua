@@ -20,6 +20,7 @@
        With a retry time the agent is deferred until then rather than marked as refusing.
     {-1} no such handoff   {-2, current status} invalid transition
     {-3, to agent} the acceptance deadline passed (the record is now EXPIRED and EXPIRED was emitted)
+    {-3, false} it was EXPIRED already (nothing written or emitted)
     {-4} the acting agent may not make this transition
   Events: one entry on KEYS[4]: id, status, actor, ts and the response fields (not for a refusal).
 ]]

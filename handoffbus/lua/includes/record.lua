@@ -124,7 +124,8 @@ end
   'target' (the to_agent, or anyone while to_agent is empty), 'owner' (the accepting agent),
   'requester' (the from_agent).
   Returns {1, to agent, <response>} done now, {0, to agent, <response>} the same actor already did it (nothing
-  emitted), or {-1} not found, {-2, status} invalid transition, {-3, to agent} expired, {-4} not permitted,
+  emitted), or {-1} not found, {-2, status} invalid transition, {-3, to agent} made EXPIRED now ({-3, false}: it
+  was already), {-4} not permitted,
   {-6, holder} the lease is held by another consumer.
 ]]
 local function run_transition(status, from, who)
@@ -150,7 +151,7 @@ local function run_transition(status, from, who)
   end
   -- the status decides first: anything on a terminal handoff is an invalid transition
   if not from[current] then
-    if current == 'EXPIRED' then return {-3, to} end
+    if current == 'EXPIRED' then return {-3, false} end  -- expired before: settled and counted then
     return {-2, current}
   end
   local allowed

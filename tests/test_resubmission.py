@@ -1,0 +1,91 @@
+"""Requests that reuse a request id, or are refused: nothing happens to the handoff already
+under that id, and nothing of the refused request stays behind."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from handoffbus import HandoffBus, HandoffRequest, HandoffStatus, InvalidRequest, QueueFull, RequestConflict
+from handoffbus.routing import set_id
+
+from .conftest import make_bus
+from .helpers import req
+
+pytestmark = pytest.mark.anyio
+
+
+def routed(request_id: str, caps: list[str]) -> HandoffRequest:
+    return HandoffRequest(from_agent="alice", capabilities_required=caps, request_id=request_id, timeout=60)
+
+
+async def test_a_request_id_may_not_look_like_a_routing_offer(bus: HandoffBus) -> None:
+    # the deadline index keeps a routed handoff's offer as "o:<request id>"
+    with pytest.raises(InvalidRequest, match="reserved"):
+        await bus.client("alice").request_handoff(req("alice", "bob", request_id="o:x"))
+    assert await bus.client("alice").get_handoff_status("alice/o:x") is None
+
+
+@pytest.mark.parametrize("fail_fast", [False, True])
+async def test_a_conflicting_routed_request_leaves_the_original_alone(bus: HandoffBus, fail_fast: bool) -> None:
+    alice = bus.client("alice")
+    await alice.request_handoff(routed("r1", ["gpu"]))
+    with pytest.raises(RequestConflict):
+        await alice.request_handoff(routed("r1", ["text"]), fail_fast=fail_fast)
+    record = await alice.get_handoff_status("alice/r1")
+    assert record is not None and record.status is HandoffStatus.PENDING  # not REJECTED NO_CAPABLE_AGENT
+    # nor offered to agents of the other request's capabilities
+    assert await bus.redis.zrange(bus.keys.route(set_id("text")).queue, 0, -1) == []
+    assert await bus.redis.zrange(bus.keys.route(set_id("gpu")).queue, 0, -1) == [b"alice/r1"]
+
+
+async def test_a_decided_handoff_resubmitted_is_never_queued_again(bus: HandoffBus) -> None:
+    alice, bob = bus.client("alice"), bus.client("bob")
+    first = await alice.request_handoff(req("alice", "bob", request_id="r1"))
+    await bob.accept_handoff(first.handoff_id)  # settled: out of bob's queue
+    sent: list[str] = []
+    batcher = bus._batcher
+    assert batcher is not None
+    call_many = batcher.call_many
+
+    async def recording(batch: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
+        sent.extend(script.name for script, _, _ in batch)
+        return await call_many(batch)
+
+    batcher.call_many = recording  # type: ignore[method-assign]
+    again = await alice.request_handoff(req("alice", "bob", request_id="r1"))
+    assert (await again.decision()).status is HandoffStatus.ACCEPTED
+    # queued again, a worker of bob's could take it and run the work a second time
+    assert "enqueue" not in sent and sent[0] == "request"
+
+
+async def test_a_failed_resubmission_keeps_the_first_handle_listening(bus: HandoffBus) -> None:
+    alice, bob = bus.client("alice"), bus.client("bob")
+    handle = await alice.request_handoff(req("alice", "bob", request_id="r1"))
+    with pytest.raises(RequestConflict):
+        await alice.request_handoff(req("alice", "bob", request_id="r1", reason="something else"))
+    await bob.accept_handoff(handle.handoff_id)
+    with anyio.fail_after(5):  # pushed at once, not found by the 30 s safety re-read
+        assert (await handle.decision()).status is HandoffStatus.ACCEPTED
+
+
+@pytest.mark.parametrize("backend", ["memory", "valkey"])
+async def test_the_request_says_why_before_a_full_queue_does(backend: str, servers: dict) -> None:
+    async with make_bus(backend, servers, max_queued=1) as bus:
+        alice, bob = bus.client("alice"), bus.client("bob")
+        first = await alice.request_handoff(req("alice", "bob", request_id="r1"))
+        await bob.accept_handoff(first.handoff_id)
+        await bob.complete_handoff(first.handoff_id, result="done")
+        await alice.request_handoff(req("alice", "bob", request_id="r2"))  # bob's queue is full now
+        # a finished handoff resubmitted: its outcome, not "queue full, retry later"
+        again = await alice.request_handoff(req("alice", "bob", request_id="r1"))
+        with anyio.fail_after(5):
+            assert (await again.outcome()).result == "done"
+        # a reused id with another request: the conflict, whatever the queue
+        with pytest.raises(RequestConflict):
+            await alice.request_handoff(req("alice", "bob", request_id="r2", reason="another"))
+        with pytest.raises(QueueFull):  # a new request does meet the full queue
+            await alice.request_handoff(req("alice", "bob", request_id="r3"))
+        assert await alice.get_handoff_status("alice/r3") is None
