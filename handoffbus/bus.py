@@ -15,7 +15,7 @@ from redis.exceptions import AuthenticationError, RedisError
 
 from .batching import ScriptBatcher
 from .client import HandoffClient
-from .cluster import is_cluster
+from .cluster import is_cluster, seal
 from .codecs import PayloadCodec
 from .config import BusConfig
 from .embedded import EmbeddedCluster, EmbeddedServer
@@ -114,6 +114,7 @@ class HandoffBus:
         #: how connect() built the client, so that open can rebuild it for a cluster it finds
         self._connect_args: tuple[str, int | None] | None = None
         self._owns_client = owns_client or server is not None
+        self._closed = False  # closed by __aexit__ (a client it owns is closed with it)
         self.scripts = Scripts()
         self._batcher: ScriptBatcher | None = None
         self._tg: TaskGroup | None = None
@@ -180,11 +181,18 @@ class HandoffBus:
     def redis(self) -> Any:
         if self._redis is None:
             raise HandoffbusError("the bus is not open: use 'async with bus'")
+        if self._closed:
+            # a command on a closed client would quietly connect it again, and nothing would
+            # close those connections (a cluster client even learns its nodes anew)
+            raise HandoffbusError("the bus is closed")
         return self._redis
 
     # ------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> HandoffBus:
+        self._closed = False
+        if self._redis is not None and is_cluster(self._redis):
+            seal(self._redis, False)  # opened again
         stack = contextlib.AsyncExitStack()
         try:
             if self._server is not None:
@@ -224,7 +232,10 @@ class HandoffBus:
         self._readers.clear()
 
     async def _close_client(self) -> None:
+        self._closed = True  # calls still running outside (a caller's tasks) fail from here on
         if self._redis is not None:
+            if is_cluster(self._redis):
+                seal(self._redis, True)  # a command still running must not connect it again
             with anyio.CancelScope(shield=True):
                 await self._redis.aclose()
 

@@ -27,6 +27,7 @@ from typing import Any
 import anyio
 from redis.exceptions import AskError, MaxConnectionsError, MovedError, RedisError, TryAgainError
 
+from .errors import HandoffbusError
 from .scripts import Script
 from .wire import ScriptCall, exchange, no_script
 
@@ -54,6 +55,21 @@ def is_cluster(redis: Any) -> bool:
     from redis.asyncio.cluster import RedisCluster
 
     return isinstance(redis, RedisCluster)
+
+
+async def _closed_client(*args: Any, **kwargs: Any) -> None:
+    raise HandoffbusError("the bus is closed")
+
+
+def seal(redis: Any, sealed: bool) -> None:
+    """After ``aclose()`` a cluster client would learn its nodes anew and connect again for a
+    command still running (redis-py retries a command whose connection closed under it), and
+    nothing would close those connections. Sealed, it fails such commands instead, with a
+    HandoffbusError, which redis-py does not retry; unsealed, it opens again as usual."""
+    if sealed:
+        redis.initialize = _closed_client  # shadows the method, on this client only
+    else:
+        vars(redis).pop("initialize", None)
 
 
 class Run:

@@ -36,6 +36,7 @@ SCRIPT_NAMES = (
     "enqueue",
     "take",
     "settle",
+    "requeue",
     "lease",
     "load",
     "reclaim",
@@ -135,6 +136,7 @@ class Scripts:
     enqueue: Script
     take: Script
     settle: Script
+    requeue: Script
     lease: Script
     load: Script
     reclaim: Script

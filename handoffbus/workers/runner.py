@@ -155,9 +155,13 @@ class Worker:
                             await self._wait_change()
                     handlers.cancel_scope.cancel()  # what did not finish stays pending: not lost
         finally:
-            with anyio.CancelScope(shield=True):
-                await self._settle_done()
+            # shielded, and each step bounded: a server that stopped answering must not keep a
+            # stopping worker forever (what is not handed back stays pending, to be reclaimed;
+            # a registry entry not removed ages out by its TTL)
+            await self._settle_done()
+            with anyio.move_on_after(SETTLE_WAIT, shield=True):
                 await self._hand_back()
+            with anyio.move_on_after(REGISTER_WAIT, shield=True):
                 await self._leave()
 
     async def serve_until_signalled(self) -> None:
@@ -198,14 +202,14 @@ class Worker:
 
     async def _hand_back(self) -> None:
         """Re-queue handoffs stopped while their acceptance hook ran: others take them now."""
-        for hid, priority in self._give_back:
+        while self._give_back:
+            hid, priority = self._give_back[0]
             try:
-                await self._inbox.settle([hid])
-                await self.bus.enqueue(self.agent.agent_id, hid, priority)
+                await self._inbox.requeue(hid, priority)
             except (RedisError, OSError) as exc:
-                self._log.warning("%s: could not hand %s back (%s); it stays pending", self.consumer, hid, exc,
-                                  extra={"handoff_id": hid})
-        self._give_back.clear()
+                self._log.warning("%s: could not hand %s back (%s); it stays in this worker's pending "
+                                  "entries, to be reclaimed", self.consumer, hid, exc, extra={"handoff_id": hid})
+            del self._give_back[0]
 
     async def _join(self) -> None:
         self._started_ms = await self.bus.server_time_ms()
@@ -315,7 +319,10 @@ class Worker:
                 self._inbox_key, GROUP, self.consumer, int(self.reclaim_idle * 1000), cursor, count=free
             )
             cursor, claimed = reply[0], reply[1]
-            taken = [Delivery(handoff_id=f[b"h"].decode(), entry_id=eid.decode()) for eid, f in claimed if f]
+            # an entry this worker is still running went idle too (its heartbeats failed for a
+            # while): it is ours already, and a second run of it must not start
+            taken = [Delivery(handoff_id=f[b"h"].decode(), entry_id=eid.decode()) for eid, f in claimed
+                     if f and f[b"h"].decode() not in self._entries]
             if not taken:
                 return cursor
             counts = await self._delivery_counts(taken)
@@ -343,14 +350,17 @@ class Worker:
         return cursor
 
     async def _delivery_counts(self, taken: list[Delivery]) -> dict[str, int]:
-        ids = sorted((d.entry_id for d in taken), key=lambda e: tuple(map(int, e.split("-"))))
-        rows = await self.bus.redis.xpending_range(
-            self._inbox_key, GROUP, min=ids[0], max=ids[-1], count=len(ids) + 64, consumername=self.consumer
-        )
-        return {row["message_id"].decode(): int(row["times_delivered"]) for row in rows}
+        # each entry on its own: one range over them all would also list this worker's other
+        # entries between them, and a COUNT could cut off some of those asked for
+        async with self.bus.redis.pipeline(transaction=False) as pipe:
+            for delivery in taken:
+                pipe.xpending_range(self._inbox_key, GROUP, min=delivery.entry_id, max=delivery.entry_id, count=1)
+            replies = await pipe.execute()
+        return {row["message_id"].decode(): int(row["times_delivered"]) for rows in replies for row in rows}
 
     async def _fetch_loop(self, handlers: anyio.abc.TaskGroup) -> None:
         backoff = Backoff()
+        carried: list[Delivery] = []  # taken, but their load failed: loaded and started first
         while not self._draining:
             free = self.concurrency - self._active
             if free <= 0:
@@ -359,8 +369,15 @@ class Worker:
                 continue
             if self.state is AgentState.BUSY:
                 self.state = AgentState.RUNNABLE
-            done, self._done = self._done, []
+            done: list[str] = []
+            taken: list[Delivery] = []
             try:
+                if carried:
+                    taken, carried = carried, []
+                    loaded = await self._inbox.load([d.handoff_id for d in taken])
+                    self._start(handlers, taken, loaded)
+                    continue
+                done, self._done = self._done, []
                 bell, taken = await self._inbox.take(free, settle=done)
                 if len(taken) < free and self.agent.state is AgentState.RUNNABLE and self._routes.due(bell):
                     taken += await self._routes.pull(free - len(taken))
@@ -377,15 +394,19 @@ class Worker:
                 loaded = await self._inbox.load([d.handoff_id for d in taken])
             except (RedisError, OSError) as exc:
                 self._done = done + self._done  # settle them next time
+                carried = taken  # delivered to this consumer already: not left for a reclaim
                 # connection lost, server restarting, or a failover's UNBLOCKED/READONLY/LOADING
                 delay = backoff.delay()
                 self._log.warning("%s: Redis unavailable (%s); retrying in %.2fs", self.consumer, exc, delay)
                 await anyio.sleep(delay)
                 continue
             backoff.reset()
-            for delivery, row in zip(taken, loaded, strict=True):
-                self._active += 1
-                handlers.start_soon(self._handle, delivery, row)
+            self._start(handlers, taken, loaded)
+
+    def _start(self, handlers: anyio.abc.TaskGroup, taken: list[Delivery], loaded: list[Loaded | None]) -> None:
+        for delivery, row in zip(taken, loaded, strict=True):
+            self._active += 1
+            handlers.start_soon(self._handle, delivery, row)
 
     async def _handle(self, delivery: Delivery, row: Loaded | None, deliveries: int = 1) -> None:
         hid = delivery.handoff_id

@@ -1,0 +1,20 @@
+--[[
+  requeue: give a handoff back to its agent's queue from a worker that took it but stopped
+  before deciding it: settle its inbox entry and queue it again in one step, so that it is
+  never in neither (two calls could lose it to a failure between them).
+
+  KEYS[1] queue   KEYS[2] inbox   KEYS[3] in-flight index   KEYS[4] sequence   KEYS[5] doorbell
+  ARGV[1] consumer group   ARGV[2] handoff id
+  ARGV[3] priority (integer, -1000..1000; lower is served first)
+
+  Returns 1 (queued again, behind the handoffs of its priority already queued).
+  Events: one entry on KEYS[5] (MAXLEN 1) so blocked workers wake.
+]]
+-- @include queue
+
+local hid = ARGV[2]
+settle(ARGV[1], {hid})
+-- priority * 2^42 + seq, as enqueue scores it
+redis.call('ZADD', KEYS[1], tonumber(ARGV[3]) * 4398046511104 + redis.call('INCR', KEYS[4]), hid)
+redis.call('XADD', KEYS[5], 'MAXLEN', 1, '*', 'h', hid)
+return 1

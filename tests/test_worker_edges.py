@@ -1,0 +1,122 @@
+"""A worker's edges: a failed step never strands a handoff, nor runs one twice."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from handoffbus import HandoffBus, HandoffStatus, Worker
+from handoffbus.keys import GROUP
+from handoffbus.routing import set_id
+from handoffbus.workers.inbox import Delivery, Inbox
+from handoffbus.workers.routes import RouteFeed
+
+from .agents import Echo
+from .helpers import req, routed
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_a_claim_whose_offer_failed_is_kept_to_lapse_back_into_the_queue(bus: HandoffBus) -> None:
+    handle = await bus.client("req").request_handoff(routed(["x"]))
+    feed = RouteFeed(bus, "x-agent", ["x"], "w1")
+    await feed.refresh()
+    real = bus.scripts_many
+
+    async def assign_fails(calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+        if calls and all(name == "assign" for name, _, _ in calls):
+            return [RedisConnectionError("the record's node did not answer") for _ in calls]
+        return await real(calls)
+
+    bus.scripts_many = assign_fails  # type: ignore[method-assign]
+    assert await feed.pull(5) == []  # offered to no one
+    bus.scripts_many = real  # type: ignore[method-assign]
+    route = bus.keys.route(set_id("x"))
+    # the claim stands, with its meta: once it lapses, `pull` puts the handoff back in the queue
+    assert await bus.redis.zrange(route.claims, 0, -1) == [handle.handoff_id.encode()]
+    assert await bus.redis.hexists(route.meta, handle.handoff_id)
+
+
+async def test_a_handoff_given_back_is_settled_and_queued_in_one_step(bus: HandoffBus) -> None:
+    for i in range(3):
+        await bus.client("a").request_handoff(req("a", "b", request_id=f"r{i}"))
+    inbox = Inbox(bus, "b", "w1")
+    _, taken = await inbox.take(1)
+    [delivery] = taken
+    keys = bus.keys.target("b")
+    await inbox.requeue(delivery.handoff_id, 0)
+    assert await bus.redis.hlen(keys.inflight) == 0
+    assert (await bus.redis.xpending(keys.inbox, GROUP))["pending"] == 0
+    # back in the queue, behind the handoffs of its priority that waited meanwhile
+    assert await bus.redis.zrange(keys.queue, 0, -1) == [b"a/r1", b"a/r2", b"a/r0"]
+
+
+async def test_delivery_counts_are_read_entry_by_entry(real_bus: HandoffBus) -> None:
+    # the worker holds more entries than any COUNT a range read would ask for: each reclaimed
+    # entry's own count must still be found (a poison handoff is recognised by it)
+    for i in range(80):
+        await real_bus.client("a").request_handoff(req("a", Echo.agent_id, request_id=f"r{i:03}"))
+    inbox = Inbox(real_bus, Echo.agent_id, "w1")
+    _, taken = await inbox.take(80)
+    keys = real_bus.keys.target(Echo.agent_id)
+    first, last = taken[0], taken[-1]
+    for _ in range(3):  # the last one delivered three more times
+        await real_bus.redis.xclaim(keys.inbox, GROUP, "w1", 0, [last.entry_id])
+    worker = Worker(real_bus, Echo(), consumer="w1")
+    counts = await worker._delivery_counts([first, last])
+    assert counts == {first.entry_id: 1, last.entry_id: 4}
+
+
+async def test_a_worker_does_not_reclaim_what_it_is_running(real_bus: HandoffBus) -> None:
+    started, release = anyio.Event(), anyio.Event()
+    runs: list[str] = []
+
+    class Slow(Echo):
+        async def on_handoff_received(self, handoff: Any) -> Any:
+            runs.append(handoff.handoff_id)
+            started.set()
+            await release.wait()
+            return "done"
+
+    handle = await real_bus.client("a").request_handoff(req("a", Slow.agent_id))
+    async with anyio.create_task_group() as tg:
+        worker = Worker(real_bus, Slow(), reclaim_idle=60)
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            await started.wait()
+        # its heartbeats failed for a while (say, an outage): the entry went idle, and the
+        # reclaim pass finds this worker's own running handoff among the idle ones
+        keys = real_bus.keys.target(Slow.agent_id)
+        [entry] = [e["message_id"] for e in await real_bus.redis.xpending_range(keys.inbox, GROUP, "-", "+", 10)]
+        await real_bus.redis.xclaim(keys.inbox, GROUP, worker.consumer, 0, [entry], idle=10**6)
+        worker.reclaim_idle = 0.001
+        await worker._reclaim_once(tg, "0-0")
+        release.set()
+        with anyio.fail_after(10):
+            assert (await handle.outcome()).status is HandoffStatus.COMPLETED
+        worker.drain()
+    assert runs == [handle.handoff_id]  # one run, not a second beside it
+
+
+async def test_taken_handoffs_whose_load_failed_are_started_once_it_works(real_bus: HandoffBus) -> None:
+    handle = await real_bus.client("a").request_handoff(req("a", Echo.agent_id))
+    failed: list[Delivery] = []
+    worker = Worker(real_bus, Echo(), reclaim_idle=600)  # a reclaim would come far too late
+    load = worker._inbox.load
+
+    async def load_fails_once(handoff_ids: Any) -> Any:
+        if not failed:
+            failed.append(handoff_ids)
+            raise RedisConnectionError("connection lost")
+        return await load(handoff_ids)
+
+    worker._inbox.load = load_fails_once  # type: ignore[method-assign]
+    async with anyio.create_task_group() as tg:
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            assert (await handle.outcome()).status is HandoffStatus.COMPLETED
+        worker.drain()
+    assert failed  # the load did fail once
