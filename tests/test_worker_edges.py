@@ -120,3 +120,28 @@ async def test_taken_handoffs_whose_load_failed_are_started_once_it_works(real_b
             assert (await handle.outcome()).status is HandoffStatus.COMPLETED
         worker.drain()
     assert failed  # the load did fail once
+
+
+async def test_finished_handoffs_a_failed_settle_left_are_settled_later(real_bus: HandoffBus) -> None:
+    worker = Worker(real_bus, Echo())
+    take = worker._inbox.take
+    worker._done = ["a/r1", "a/r2"]
+
+    async def take_fails(count: int, settle: Any = ()) -> Any:
+        raise RedisConnectionError("connection lost")
+
+    worker._inbox.take = take_fails  # type: ignore[method-assign]
+    await worker._settle_done()
+    assert worker._done == ["a/r1", "a/r2"]  # kept for the next take, not dropped
+    worker._inbox.take = take  # type: ignore[method-assign]
+    await worker._settle_done()
+    assert worker._done == []
+
+
+async def test_admitting_a_handoff_named_twice_gives_it_one_entry(bus: HandoffBus) -> None:
+    keys = bus.keys.target("b")
+    reply = await bus.script("admit", keys.as_list(), [GROUP, "w1", "a/r1", "a/r1", "a/r2"])
+    assert [reply[i] for i in range(0, len(reply), 2)] == [b"a/r1", b"a/r2"]
+    assert await bus.redis.xlen(keys.inbox) == 2 and await bus.redis.hlen(keys.inflight) == 2
+    await bus.settle("b", ["a/r1", "a/r2"])
+    assert (await bus.redis.xpending(keys.inbox, GROUP))["pending"] == 0  # nothing left pending

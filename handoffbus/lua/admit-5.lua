@@ -1,7 +1,7 @@
 --[[
   admit: a worker puts routed handoffs it pulled and was assigned into its agent's inbox,
   delivered to itself, exactly as `take` does for handoffs from the agent's own queue.
-  Idempotent: a handoff already in flight here is skipped.
+  Idempotent: a handoff already in flight here, or named twice, is admitted once.
 
   KEYS[1] queue   KEYS[2] inbox   KEYS[3] in-flight index   KEYS[4] sequence   KEYS[5] doorbell
   ARGV[1] consumer group   ARGV[2] consumer name   ARGV[3..] handoff ids
@@ -10,8 +10,10 @@
 ]]
 -- @include queue
 
-local hids = {}
+local hids, seen = {}, {}
 for i = 3, #ARGV do
-  if redis.call('HEXISTS', KEYS[3], ARGV[i]) == 0 then hids[#hids + 1] = ARGV[i] end
+  -- once each: a repeat would get a second entry, and the index only the last of them
+  if not seen[ARGV[i]] and redis.call('HEXISTS', KEYS[3], ARGV[i]) == 0 then hids[#hids + 1] = ARGV[i] end
+  seen[ARGV[i]] = true
 end
 return deliver(ARGV[1], ARGV[2], hids, {})

@@ -195,8 +195,9 @@ class Worker:
             try:
                 await self._inbox.take(0, settle=done)
             except (RedisError, OSError) as exc:
-                self._log.warning("%s: could not settle %d handoffs (%s); they stay pending",
+                self._log.warning("%s: could not settle %d handoffs (%s); trying again with the next take",
                                   self.consumer, len(done), exc)
+                self._done = done + self._done
         if scope.cancelled_caught:
             self._done = done + self._done  # not answered in time: the next settle tries again
 
