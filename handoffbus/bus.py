@@ -258,7 +258,8 @@ class HandoffBus:
             version = tuple(int(p) for p in str(info.get("redis_version", "0.0")).split(".")[:2])
             if version < MIN_SERVER_VERSION:
                 raise ServerUnsupported(f"Redis {info.get('redis_version')} found; handoffbus needs >= 7.0")
-        if infos[0].get("redis_mode") == "cluster" and not is_cluster(self.redis):
+        mode = infos[0].get("redis_mode") or infos[0].get("server_mode")  # Valkey 8+ says server_mode
+        if mode == "cluster" and not is_cluster(self.redis):
             await self._reopen_as_cluster()
         with contextlib.suppress(Exception):
             policy = (await self.redis.config_get("maxmemory-policy")).get("maxmemory-policy")
@@ -274,7 +275,7 @@ class HandoffBus:
         url, max_connections = self._connect_args
         cluster = _client(url, max_connections, cluster=True)
         await self._close_client()
-        self._redis = cluster
+        self._redis, self._closed = cluster, False  # the plain client closed, not the bus
         await self._check_server()
 
     def spawn(self, func: Callable[[], Coroutine[Any, Any, None]], *, name: str) -> None:

@@ -432,3 +432,14 @@ async def test_closing_the_bus_closes_connections_left_on_a_node_the_client_drop
             if all(other is not c for c in left):
                 await other.disconnect()
     assert not any(c.is_connected for c in kept)  # and the client closed the rest
+
+
+async def test_a_plain_url_to_a_cluster_node_opens_a_cluster_bus(cluster: EmbeddedCluster) -> None:
+    plain = f"redis://127.0.0.1:{cluster.nodes[0].port}"
+    async with HandoffBus.connect(plain, prefix=new_prefix()) as bus:
+        assert bus.is_cluster
+        alice, bob = bus.client("alice"), bus.client("bob")
+        handle = await alice.request_handoff(req("alice", "bob"))
+        await bob.accept_handoff(handle.handoff_id)
+        with anyio.fail_after(10):
+            assert (await handle.decision()).status is S.ACCEPTED
