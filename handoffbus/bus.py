@@ -218,6 +218,8 @@ class HandoffBus:
 
     async def __aexit__(self, *exc_info: object) -> None:
         if self._tg is not None:
+            with anyio.CancelScope(shield=True):
+                await self.sweeper.stop()  # first: its last batch's follow-ups need the batcher
             with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
                 try:
                     await self.stats.flush()  # the last second's counts

@@ -14,6 +14,8 @@ __all__ = ["MAX_PRIORITY", "BusConfig"]
 
 #: Priorities run from -MAX_PRIORITY to MAX_PRIORITY (see lua/enqueue-5.lua for why).
 MAX_PRIORITY = 1000
+#: The longest duration a setting may take: ten years, in seconds.
+MAX_SECONDS = 10 * 365 * 24 * 3600.0
 
 
 class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -51,14 +53,17 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
                      "sweep_interval", "sweep_lease", "read_block", "route_age_step", "offer_time",
                      "route_claim", "route_guard"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise InvalidRequest(f"{name} must be a positive number of seconds")
+            # Redis takes milliseconds: under one would round to 0, which means "forever" to
+            # XREAD BLOCK and "release" to the sweep lease; past MAX_SECONDS, or inf, overflows
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0.001 <= value <= MAX_SECONDS:
+                raise InvalidRequest(f"{name} must be a number of seconds from 0.001 to {MAX_SECONDS:.0f}")
         if self.default_timeout > self.max_timeout:
             raise InvalidRequest("default_timeout exceeds max_timeout")
-        if self.sweep_batch <= 0:
-            raise InvalidRequest("sweep_batch must be positive")
-        if self.max_queued < 0 or self.max_pending < 0:
-            raise InvalidRequest("max_queued and max_pending must be 0 (no cap) or positive")
+        for name in ("sweep_batch", "max_queued", "max_pending"):
+            value = getattr(self, name)
+            least = 1 if name == "sweep_batch" else 0  # the caps: 0 is no cap
+            if type(value) is not int or value < least:
+                raise InvalidRequest(f"{name} must be an int of at least {least}")
         PayloadCodec(self.codec, compress_threshold=self.compress_threshold, limit=self.payload_limit)
 
     def make_codec(self) -> PayloadCodec:

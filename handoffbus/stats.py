@@ -155,8 +155,15 @@ class StatsFlusher:
     def __init__(self, bus: HandoffBus, interval: float = 1.0) -> None:
         self._bus = bus
         self._interval = interval
+        # one flush at a time: the closing flush waits for a timed one under way, whose counts
+        # would otherwise go back to the tally after the last flush and be lost
+        self._lock = anyio.Lock()
 
     async def flush(self) -> None:
+        async with self._lock:
+            await self._flush()
+
+    async def _flush(self) -> None:
         bus = self._bus
         pending = bus.tally.take()
         # an isolated agent's user reaches its own slot only: what it counted for others is dropped

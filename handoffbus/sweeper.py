@@ -28,6 +28,11 @@ __all__ = ["Sweeper"]
 
 log = logging.getLogger("handoffbus")
 
+#: the longest a batch's follow-ups (settling, routing lapsed offers again) may hold up a stop,
+#: and the longest a stop waits to hand the lease over
+FOLLOW_UP_WAIT = 5.0
+RELEASE_WAIT = 1.0
+
 
 class Sweeper:
     def __init__(self, bus: HandoffBus) -> None:
@@ -38,6 +43,8 @@ class Sweeper:
         self.passes = 0
         #: the last pass met a full batch somewhere: sweep again without waiting
         self.backlog = False
+        self._scope: anyio.CancelScope | None = None
+        self._stopped = anyio.Event()
 
     async def wait_pass(self) -> None:
         """Return when this bus finishes its next sweep pass (expiry and queue settlement)."""
@@ -56,32 +63,44 @@ class Sweeper:
         bus = self._bus
         expired = 0
         self.backlog = False
-        by_target: dict[str, list[str]] = defaultdict(list)
-        lapsed: list[Reroute] = []  # routed handoffs whose offer lapsed: route them again
         batch: list[str] = []
 
         async def flush() -> None:
             nonlocal expired
-            replies = await bus.scripts_many([
-                ("sweep", [bus.keys.deadlines(agent)],
-                 [bus.keys.slot(agent), bus.config.sweep_batch, bus.config.retention_ms,
-                  bus.config.response_retention_ms, int(bus.config.offer_time * 1000)])
-                for agent in batch
-            ])
-            for reply in replies:
-                if isinstance(reply, BaseException):
-                    raise reply
-                n_expired, n_lapsed = int(reply[0]), int(reply[1])
-                expired += n_expired
-                if n_expired + n_lapsed >= bus.config.sweep_batch:
-                    self.backlog = True  # a full batch: more may be due already
-                pairs_end = 2 + 2 * n_expired
-                for i in range(2, pairs_end, 2):
-                    if reply[i + 1]:
-                        by_target[reply[i + 1].decode()].append(reply[i].decode())
-                for i in range(n_lapsed):
-                    lapsed.append(Reroute.of(reply[pairs_end + 7 * i:pairs_end + 7 * i + 7]))
+            by_target: dict[str, list[str]] = defaultdict(list)
+            lapsed: list[Reroute] = []  # routed handoffs whose offer lapsed: route them again
+            failed: BaseException | None = None
+            # shielded (and bounded): once the scripts made handoffs EXPIRED or let offers lapse,
+            # settling those queues and routing the lapsed again must follow, or nothing would
+            # (the deadline index no longer lists them)
+            with anyio.move_on_after(FOLLOW_UP_WAIT, shield=True):
+                replies = await bus.scripts_many([
+                    ("sweep", [bus.keys.deadlines(agent)],
+                     [bus.keys.slot(agent), bus.config.sweep_batch, bus.config.retention_ms,
+                      bus.config.response_retention_ms, int(bus.config.offer_time * 1000)])
+                    for agent in batch
+                ])
+                for reply in replies:
+                    if isinstance(reply, BaseException):  # one requester's slot failed, not the others
+                        failed = failed or reply
+                        continue
+                    n_expired, n_lapsed = int(reply[0]), int(reply[1])
+                    expired += n_expired
+                    if n_expired + n_lapsed >= bus.config.sweep_batch:
+                        self.backlog = True  # a full batch: more may be due already
+                    pairs_end = 2 + 2 * n_expired
+                    for i in range(2, pairs_end, 2):
+                        if reply[i + 1]:
+                            by_target[reply[i + 1].decode()].append(reply[i].decode())
+                    for i in range(n_lapsed):
+                        lapsed.append(Reroute.of(reply[pairs_end + 7 * i:pairs_end + 7 * i + 7]))
+                if by_target:
+                    await bus.settle_expired(by_target)
+                if lapsed:
+                    await bus.router.reroute(lapsed)
             batch.clear()
+            if failed is not None:
+                raise failed
 
         async for raw in bus.redis.sscan_iter(bus.keys.requesters, count=500):
             batch.append(raw.decode())
@@ -89,10 +108,6 @@ class Sweeper:
                 await flush()
         if batch:
             await flush()
-        if by_target:
-            await bus.settle_expired(by_target)
-        if lapsed:
-            await bus.router.reroute(lapsed)
         return expired
 
     async def release_lease(self) -> None:
@@ -101,21 +116,36 @@ class Sweeper:
         await bus.redis.evalsha(bus.scripts.lease.sha, 1, bus.keys.sweep_lease, self._token, 0)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
+        self._stopped = anyio.Event()
         try:
-            while True:
+            with anyio.CancelScope() as self._scope:
+                task_status.started()
                 try:
-                    if await self.hold_lease():
-                        await self.sweep_once()
-                        self.passes += 1
-                        self._pass_done.set()
-                        self._pass_done = anyio.Event()
-                except (RedisError, OSError) as exc:
-                    self.backlog = False
-                    log.warning("expiry sweep failed (%s); retrying", exc)
-                # a backlog (a burst of deadlines) is swept again at once, not a whole interval later
-                await anyio.sleep(0 if self.backlog else self._bus.config.sweep_interval)
+                    await self._loop()
+                finally:
+                    # hand the job over now rather than when the lease times out
+                    with anyio.move_on_after(RELEASE_WAIT, shield=True), contextlib.suppress(RedisError, OSError):
+                        await self.release_lease()
         finally:
-            # hand the job over now rather than when the lease times out
-            with anyio.CancelScope(shield=True), contextlib.suppress(RedisError, OSError):
-                await self.release_lease()
+            self._stopped.set()
+
+    async def stop(self) -> None:
+        """End the sweep once the batch under way has its follow-ups done (the bus calls this
+        before it closes the script batcher they need), and hand the lease over."""
+        if self._scope is not None:
+            self._scope.cancel()
+            await self._stopped.wait()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                if await self.hold_lease():
+                    await self.sweep_once()
+                    self.passes += 1
+                    self._pass_done.set()
+                    self._pass_done = anyio.Event()
+            except (RedisError, OSError) as exc:
+                self.backlog = False
+                log.warning("expiry sweep failed (%s); retrying", exc)
+            # a backlog (a burst of deadlines) is swept again at once, not a whole interval later
+            await anyio.sleep(0 if self.backlog else self._bus.config.sweep_interval)

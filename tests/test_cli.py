@@ -273,3 +273,11 @@ def test_python_dash_m_and_version() -> None:
                             check=False)
     for command in ("request", "status", "pending", "agents", "dlq", "top", "check", "acl", "worker", "demo"):
         assert command in helped.stdout
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--reclaim-idle", "0"), ("--reclaim-idle", "-1"),
+                                             ("--grace", "nan"), ("--offer-time", "inf")])
+def test_a_worker_refuses_durations_that_would_break_it(cli: Cli, flag: str, value: str) -> None:
+    # --reclaim-idle 0 would take over every running handoff of the agent's other workers at once
+    result = cli("worker", "tests.agents:Echo", flag, value)
+    assert result.exit_code == 2 and flag in result.stderr

@@ -425,3 +425,20 @@ async def test_only_the_files_are_loaded() -> None:
     redis = _RecordingRedis()
     await Scripts().load_all(redis)
     assert sorted(redis.sent) == sorted(_from_disk(name) for name in SCRIPT_NAMES)
+
+
+@pytest.mark.parametrize("settings", [
+    {"sweep_lease": float("inf")}, {"record_retention": float("nan")}, {"route_guard": 1e300},
+    {"read_block": 0.0004},  # 0 ms: XREAD BLOCK 0 blocks forever
+    {"sweep_lease": 0.0002},  # 0 ms: the lease script reads it as a release
+    {"sweep_batch": 2.5}, {"max_queued": 1.5}, {"max_pending": float("nan")}, {"sweep_batch": True},
+    {"max_queued": -1},
+])
+def test_settings_that_would_break_the_bus_later_are_refused(settings: dict[str, Any]) -> None:
+    with pytest.raises(InvalidRequest):
+        BusConfig(**settings)
+
+
+def test_settings_at_their_bounds_are_taken() -> None:
+    config = BusConfig(read_block=0.001, sweep_batch=1, max_queued=0, max_pending=0, max_timeout=3600 * 24 * 365.0)
+    assert config.read_block == 0.001 and config.max_queued == 0

@@ -140,3 +140,36 @@ async def test_an_expiry_is_counted_once_however_often_the_handoff_is_touched(bu
         with pytest.raises(HandoffExpired):
             await late()
     assert [c for c in counted if c[1] == "EXPIRED"] == [("bob", "EXPIRED", 1)]
+
+
+async def test_a_flush_waits_for_the_one_under_way(real_bus: HandoffBus) -> None:
+    # the closing flush must not return while a timed one still holds counts in flight: were
+    # the bus then closed, those would go back to a tally nobody flushes again
+    from anyio.lowlevel import checkpoint
+
+    real_bus.tally.add("x", "requested", 3)
+    started, go, second_done = anyio.Event(), anyio.Event(), anyio.Event()
+    scripts_many = real_bus.scripts_many
+
+    async def held(calls: list) -> list:
+        if not started.is_set():  # the first flush's round trip only
+            started.set()
+            await go.wait()
+        return await scripts_many(calls)
+
+    real_bus.scripts_many = held  # type: ignore[method-assign]
+
+    async def second() -> None:
+        await real_bus.stats.flush()
+        second_done.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(real_bus.stats.flush)  # the timed flush, its counts on the wire
+        await started.wait()
+        real_bus.tally.add("x", "requested", 2)
+        tg.start_soon(second)  # the closing one
+        await anyio.wait_all_tasks_blocked()
+        await checkpoint()
+        assert not second_done.is_set()
+        go.set()
+    assert int(await real_bus.redis.hget(real_bus.keys.stats("x"), "requested")) == 5

@@ -145,3 +145,37 @@ async def test_admitting_a_handoff_named_twice_gives_it_one_entry(bus: HandoffBu
     assert await bus.redis.xlen(keys.inbox) == 2 and await bus.redis.hlen(keys.inflight) == 2
     await bus.settle("b", ["a/r1", "a/r2"])
     assert (await bus.redis.xpending(keys.inbox, GROUP))["pending"] == 0  # nothing left pending
+
+
+async def test_closing_a_bus_mid_sweep_settles_what_the_sweep_expired(real_backend: str, servers: dict) -> None:
+    from .conftest import make_bus
+
+    async with make_bus(real_backend, servers) as bus:
+        prefix = bus.config.prefix
+        await bus.client("a").request_handoff(req("a", "b", timeout=0.05))
+        entered, closing = anyio.Event(), anyio.Event()
+        settle, stop = bus.settle_expired, bus.sweeper.stop
+
+        async def settle_once_closing(by_target: Any) -> None:
+            entered.set()
+            await closing.wait()  # the sweep's script has run; the bus starts closing now
+            await settle(by_target)
+
+        async def stopping() -> None:
+            closing.set()
+            await stop()
+
+        bus.settle_expired = settle_once_closing  # type: ignore[method-assign]
+        bus.sweeper.stop = stopping  # type: ignore[method-assign]
+        with anyio.fail_after(10):
+            await entered.wait()
+    async with make_bus(real_backend, servers, prefix=prefix) as again:
+        # made EXPIRED and taken out of the deadline index: out of b's queue too, not left there
+        assert await again.redis.zcard(again.keys.target("b").queue) == 0
+
+
+@pytest.mark.parametrize("settings", [{"reclaim_idle": 0}, {"reclaim_idle": float("nan")}, {"block": float("inf")},
+                                      {"grace": -1.0}, {"max_deliveries": 0}])
+async def test_a_worker_refuses_settings_that_would_break_it(bus: HandoffBus, settings: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        Worker(bus, Echo(), **settings)

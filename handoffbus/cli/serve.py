@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -110,6 +111,10 @@ def worker(
         usage_error("--isolated serves one agent per process: its bus connects as that agent's user")
     if concurrency < 1:
         usage_error("--concurrency must be at least 1")
+    for flag, value, least in (("--grace", grace, 0.0), ("--reclaim-idle", reclaim_idle, 0.01),
+                               ("--offer-time", offer_time, 0.001)):
+        if not least <= value < math.inf:  # NaN fails too
+            usage_error(f"{flag} must be a finite number of seconds, at least {least:g}")
     _logging()
     instances = [agent_class() for agent_class in classes] + sdk_agents
     registry = None

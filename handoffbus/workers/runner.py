@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import os
 import signal
 import socket
@@ -81,6 +82,14 @@ class Worker:
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        # a reclaim time near 0 would take over every other worker's running handoffs at once
+        # (and make the heartbeat's time to live 0); inf or NaN break the timers
+        for name, value, least in (("reclaim_idle", reclaim_idle, 0.01), ("block", block, 0.001),
+                                   ("grace", grace, 0.0)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not least <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number of seconds, at least {least}")
+        if type(max_deliveries) is not int or max_deliveries < 1:
+            raise ValueError("max_deliveries must be an int, at least 1")
         check_names(agent.capabilities, "capability")  # they go into the registry and routing as they are
         self.bus = bus
         self.agent = agent
