@@ -172,6 +172,7 @@ CONFLICT = -5
 LEASE_LOST = -6
 QUEUE_FULL = -7
 TOO_MANY_PENDING = -8
+NOT_WRITABLE = -9
 
 
 def raise_for_code(code: int, handoff_id: str, actor: str, attempted: str, detail: bytes | None) -> NoReturn:
@@ -192,4 +193,7 @@ def raise_for_code(code: int, handoff_id: str, actor: str, attempted: str, detai
         raise QueueFull(handoff_id, (detail or b"").decode())
     if code == TOO_MANY_PENDING:
         raise TooManyPending(handoff_id)
+    if code == NOT_WRITABLE:
+        field = (detail or b"?").decode()
+        raise InvalidRequest(f"{attempted} on {handoff_id!r}: {field!r} is not a field it may write")
     raise HandoffbusError(f"unexpected script code {code} for {attempted} on {handoff_id!r}")

@@ -22,7 +22,9 @@ changes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -33,6 +35,7 @@ from anyio.abc import TaskStatus
 from redis.exceptions import RedisError, ResponseError
 
 from .backoff import Backoff
+from .config import MAX_PRIORITY
 from .errors import CallRefused, ForwarderUnavailable, HandoffbusError
 from .models import WorkerInfo
 from .names import check_name, split_handoff_id
@@ -187,13 +190,27 @@ class Forwarder:
                 log.warning("forwarder: serving %s failed (%s)", agent, exc)
                 cursor = "0"  # read what was taken and not acknowledged again
                 await anyio.sleep(backoff.delay())
+                if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
+                    # the outbox went (a restart without persistence, a flush): make it anew
+                    with contextlib.suppress(RedisError, OSError):
+                        await bus.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
                 continue
             backoff.reset()
 
     async def _answer(self, agent: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
-        """Run one outbox entry's calls, then reply and acknowledge in one round trip."""
+        """Run one outbox entry's calls, then reply and acknowledge in one round trip. Whatever
+        an entry holds, it is answered: one bad entry never stops the forwarder."""
         bus = self._bus
-        replies = await self._handle(agent, fields)
+        count = 1
+        try:
+            replies = await self._handle(agent, fields)
+        except (RedisError, OSError):
+            raise  # not answered: read again once Redis is back
+        except Exception as exc:
+            log.exception("forwarder: an entry from %s failed", agent)
+            with contextlib.suppress(Exception):
+                count = len(_calls.decode(fields[b"calls"]))  # one answer per call, as the outbox expects
+            replies = _encode.encode([(False, f"error:{type(exc).__name__}: {exc}")] * max(count, 1))
         async with bus.redis.pipeline(transaction=False) as pipe:
             pipe.xadd(bus.keys.replies(agent), {"rid": fields.get(b"rid", b""), "replies": replies},
                       maxlen=10_000, approximate=True)
@@ -208,7 +225,7 @@ class Forwarder:
             self.refused += 1
             return _encode.encode([(False, "forbidden:an outbox entry that is not a list of calls")])
         verdicts = [await self._check(sender, call) for call in calls]
-        allowed = [call for call, why in zip(calls, verdicts, strict=True) if why is None]
+        allowed = [self._pinned(call) for call, why in zip(calls, verdicts, strict=True) if why is None]
         results = await self._bus.scripts_many(allowed) if allowed else []
         out: list[tuple[bool, Any]] = []
         for call, why in zip(calls, verdicts, strict=True):
@@ -244,6 +261,23 @@ class Forwarder:
         elif name == "assign" and isinstance(result, list) and result and int(result[0]) == 2:
             await bus.router.reroute([Reroute.of(result[2:9])])  # pulled from a stale queue entry
 
+    def _pinned(self, call: Call) -> Call:
+        """The call with what the bus decides rather than the caller: retention times (they
+        trim the requester's whole response stream), the target's queue cap, and a new
+        request's routing terms. The caller chooses only what its own request asks."""
+        name, keys, args = call
+        config, args = self._bus.config, list(args)
+        if name in _ACTING and name != "reclaim":
+            args[3:5] = [config.retention_ms, config.response_retention_ms]
+        elif name == "assign":
+            args[4:6] = [config.retention_ms, config.response_retention_ms]
+        elif name == "enqueue":
+            args[2:3] = [config.max_queued]
+        elif name == "route":
+            wait = min(int(text(args[2])[1:]), int(config.max_timeout * 1000))
+            args[2:7] = [f"+{wait}", ",", ",", int(config.route_age_step * 1000), 0]
+        return name, keys, args
+
     def _target_of(self, keys: Sequence[str]) -> str:
         prefix = self._bus.keys.prefix
         return keys[0][len(prefix) + 2:keys[0].index("}:")]
@@ -268,6 +302,10 @@ class Forwarder:
                 if sender in (requester, text(to or b"")):
                     return None
                 return f"load of {handoff_id!r}, which is not addressed to or sent by {sender!r}"
+            if name in ("enqueue", "route") and not _priority(args[1]):
+                return f"{name} with a priority that is not an int in [-{MAX_PRIORITY}, {MAX_PRIORITY}]"
+            if name == "route" and not re.fullmatch(r"\+\d{1,15}", text(args[2])):
+                return "route of a new request with a deadline that is not '+<ms>'"
             if name in ("enqueue", "settle"):
                 target = self._target_of(keys)
                 if keys != bus.keys.target(target).as_list():
@@ -309,6 +347,15 @@ class Forwarder:
         """What the agent's registered workers say it can do."""
         table = await self._bus.redis.hgetall(self._bus.keys.workers(agent))
         return {c for raw in table.values() for c in _worker_info.decode(raw).capabilities}
+
+
+def _priority(value: Any) -> bool:
+    """Whether ``value`` is a priority: an int in range (the scores rely on it)."""
+    try:
+        return (type(value) is int and -MAX_PRIORITY <= value <= MAX_PRIORITY) or (
+            isinstance(value, bytes | str) and -MAX_PRIORITY <= int(value) <= MAX_PRIORITY)
+    except ValueError:
+        return False
 
 
 def _handoff_of_record_key(bus: HandoffBus, keys: Sequence[str]) -> str:

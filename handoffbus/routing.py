@@ -16,6 +16,7 @@ the directory of live agents, and ``Router.reroute``.
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 import time
 from collections.abc import Iterable, Sequence
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
     from .bus import HandoffBus
 
 __all__ = ["NO_CAPABLE_AGENT", "Directory", "Reroute", "Router", "capability_set", "set_id"]
+
+log = logging.getLogger("handoffbus")
 
 #: rejection code of a routed handoff that no capable agent is left to take
 NO_CAPABLE_AGENT = "NO_CAPABLE_AGENT"
@@ -119,8 +122,14 @@ class Directory:
         for agent, table in zip(agents, tables, strict=True):
             workers, gone = [], []
             for consumer, raw in table.items():
-                info = _worker_info.decode(raw)
-                ttl = int(msgspec.json.decode(raw).get("ttl_ms", 0))
+                try:
+                    info = _worker_info.decode(raw)
+                    ttl = int(msgspec.json.decode(raw).get("ttl_ms", 0))
+                except (msgspec.DecodeError, ValueError, TypeError, AttributeError):
+                    # written by hand, by another version, or by an agent's own user: never
+                    # reason enough to stop routing for every other agent
+                    log.warning("registry entry %r of %s is not a worker's; left out", consumer, agent)
+                    continue
                 if info.beat_ms + ttl > now:
                     workers.append(info)
                 elif info.beat_ms + 10 * ttl <= now:

@@ -121,7 +121,7 @@ class Keyring:
         if key.agent != signer:
             raise SignatureInvalid(f"spoofed sender: key {key_id!r} belongs to {key.agent!r}, not {signer!r}")
         expected = hmac.new(key.secret, canonical(kind, parts, int(at), body, key_id), hashlib.sha256).hexdigest()
-        if not hmac.compare_digest(expected, digest):
+        if not hmac.compare_digest(expected.encode(), digest.encode()):  # bytes: a str must be ASCII
             raise SignatureInvalid("bad signature")
         if window and not now_ms - self.replay_window_ms <= int(at) <= now_ms + self.future_skew_ms:
             raise SignatureInvalid(f"signed at {at}, outside the replay window around {now_ms}")

@@ -93,7 +93,10 @@ class Sweeper:
                         if reply[i + 1]:
                             by_target[reply[i + 1].decode()].append(reply[i].decode())
                     for i in range(n_lapsed):
-                        lapsed.append(Reroute.of(reply[pairs_end + 7 * i:pairs_end + 7 * i + 7]))
+                        try:
+                            lapsed.append(Reroute.of(reply[pairs_end + 7 * i:pairs_end + 7 * i + 7]))
+                        except (TypeError, ValueError, AttributeError) as exc:  # a record not as written
+                            log.warning("expiry sweep: a lapsed offer that cannot be routed again (%s)", exc)
                 if by_target:
                     await bus.settle_expired(by_target)
                 if lapsed:
@@ -147,5 +150,8 @@ class Sweeper:
             except (RedisError, OSError) as exc:
                 self.backlog = False
                 log.warning("expiry sweep failed (%s); retrying", exc)
+            except Exception:  # e.g. a record written by hand: the sweep goes on for the others
+                self.backlog = False
+                log.exception("expiry sweep failed; retrying")
             # a backlog (a burst of deadlines) is swept again at once, not a whole interval later
             await anyio.sleep(0 if self.backlog else self._bus.config.sweep_interval)

@@ -264,3 +264,54 @@ async def test_isolated_agents_with_signed_handoffs(real_backend: str, servers: 
         record = await setup.buses["req"].client("req").get_handoff_status(handle.handoff_id)
     assert outcome.status is HandoffStatus.COMPLETED and outcome.result["echo"] == "signed"
     assert record is not None and record.status is HandoffStatus.COMPLETED  # its signed outcome verified on read
+
+
+async def test_mallory_cannot_reach_other_agents_handoffs_through_what_it_writes(
+    real_backend: str, servers: dict
+) -> None:
+    async with isolated(real_backend, servers) as setup:
+        trusted, mallory = setup.trusted, setup.buses["mallory"]
+        victim = await setup.buses["req"].client("req").request_handoff(req("req", "echo-1", reason="real"))
+        mine = await setup.buses["req"].client("req").request_handoff(req("req", "mallory", reason="for m"))
+        keys = trusted.keys.record("req", mine.request_id)
+        # 1. a transition may write only its own fields: not another handoff's id (which would
+        # send mallory's response in the victim's name), nor status, to, fp or hist
+        with pytest.raises((InvalidRequest, CallRefused)):
+            await mallory.client("mallory")._transition("accept", mine.handoff_id, {"id": victim.handoff_id})
+        assert await trusted.redis.hget(keys.record, "id") == mine.handoff_id.encode()
+        # 2. the retention times are the bus's: a reject asking for 0 ms keeps the record and the
+        # requester's response stream (other handoffs' responses are in it)
+        before = await trusted.redis.xlen(trusted.keys.responses("req"))
+        reply = await mallory.script("reject", keys.as_list(), [mine.handoff_id, mine.request_id, "mallory", -1, 0,
+                                                                "reason", "no"])
+        assert int(reply[0]) == 1 and await trusted.redis.exists(keys.record)
+        assert await trusted.redis.xlen(trusted.keys.responses("req")) == before + 1
+        # 3. a record in its own slot naming another requester's handoff: the sweep neither
+        # settles the victim out of echo-1's queue nor routes it
+        forged = f"{mallory.keys.slot('mallory')}h:x"
+        await mallory.redis.hset(forged, mapping={"id": victim.handoff_id, "status": "PENDING", "to": "echo-1",
+                                                  "hist": "[]"})
+        await mallory.redis.zadd(mallory.keys.deadlines("mallory"), {"x": 1})
+        await trusted.redis.sadd(trusted.keys.requesters, "mallory")
+        passes = trusted.sweeper.passes
+        with anyio.fail_after(10):
+            while trusted.sweeper.passes < passes + 2:
+                await trusted.sweeper.wait_pass()
+        assert await trusted.redis.zrange(trusted.keys.target("echo-1").queue, 0, -1) == [victim.handoff_id.encode()]
+        assert await mallory.redis.zcard(mallory.keys.deadlines("mallory")) == 0  # dropped as not its own
+        # 4. a workers entry that is not a worker's leaves routing working for everyone else
+        await mallory.redis.hset(mallory.keys.workers("mallory"), "w1", "not json")
+        assert await trusted.router.directory.of(["mallory", "echo-1"]) == []
+        # 5. an outbox entry the forwarder cannot handle is answered, and the forwarder goes on
+        await mallory.redis.xadd(mallory.keys.outbox("mallory"), {"rid": "x", "calls": b"\x93"})
+        again = await setup.buses["req"].client("req").request_handoff(req("req", "echo-1", reason="after"))
+        assert await trusted.redis.zscore(trusted.keys.target("echo-1").queue, again.handoff_id) is not None
+
+
+def test_a_signature_with_a_non_ascii_digest_is_refused_not_a_crash() -> None:
+    ring = Keyring([SigningKey(key_id="k-1", agent="req", secret=b"s" * 32)])
+    good = ring.sign("req", "request", ["x"], b"body", 1000)
+    bad = good[:-1] + "é"
+    with pytest.raises(Exception) as caught:
+        ring.verify(bad, "req", "request", ["x"], b"body", 1000)
+    assert type(caught.value).__name__ == "SignatureInvalid"

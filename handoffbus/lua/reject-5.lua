@@ -22,6 +22,7 @@
     {-3, to agent} the acceptance deadline passed (the record is now EXPIRED and EXPIRED was emitted)
     {-3, false} it was EXPIRED already (nothing written or emitted)
     {-4} the acting agent may not make this transition
+    {-9, field} ARGV[6..] names a field a transition may not write
   Events: one entry on KEYS[4]: id, status, actor, ts and the response fields (not for a refusal).
 ]]
 -- @include record

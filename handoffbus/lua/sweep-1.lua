@@ -20,6 +20,10 @@
 -- @include record
 
 local base = ARGV[1]
+-- the requester, from its slot's key prefix: a record's id must be its own ("<R>/<request id>"),
+-- for the caller settles and routes again by the ids this returns (a record written by hand,
+-- or by an agent's own user, must not make it touch another agent's handoffs)
+local requester = string.match(base, '{(.*)}:$')
 local retention_ms, response_retention_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
 local now = now_ms()
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', fmt(now), 'LIMIT', 0, tonumber(ARGV[2]))
@@ -30,8 +34,8 @@ for _, member in ipairs(due) do
   local keys = {base .. 'h:' .. request_id, base .. 'p:' .. request_id, KEYS[1], base .. 'responses',
     base .. 'e:' .. request_id}
   local rec = read_record(keys[1], {'to', 'chain', 'deferred'})
-  if rec.status ~= 'PENDING' then
-    redis.call('ZREM', KEYS[1], member)  -- decided or gone: a stale index entry
+  if rec.status ~= 'PENDING' or rec.id ~= requester .. '/' .. request_id then
+    redis.call('ZREM', KEYS[1], member)  -- decided, gone or not its own: a stale index entry
   elseif expire_if_due(keys, rec, request_id, now, retention_ms, response_retention_ms) then
     out[1] = out[1] + 1
     out[#out + 1] = rec.id

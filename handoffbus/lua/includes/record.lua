@@ -30,6 +30,9 @@ end
 -- Fields a response carries besides id/status/actor/ts; read back by the client.
 local RESPONSE_FIELDS = {'agent', 'reason', 'code', 'retry', 'redirect', 'result', 'error', 'rmeta', 'sig'}
 local TERMINAL = {REJECTED = true, COMPLETED = true, EXPIRED = true, CANCELLED = true, FAILED = true}
+-- What a transition's caller may pass in ARGV[6..] (see run_transition).
+local WRITABLE = {reason = true, code = true, retry = true, redirect = true, result = true, error = true,
+  rmeta = true, sig = true, lease = true, guard = true}
 
 -- A response as the flat reply the client reads: status, actor, ts, then RESPONSE_FIELDS
 -- (false where absent). `values` maps field name -> value.
@@ -126,11 +129,16 @@ end
   Returns {1, to agent, <response>} done now, {0, to agent, <response>} the same actor already did it (nothing
   emitted), or {-1} not found, {-2, status} invalid transition, {-3, to agent} made EXPIRED now ({-3, false}: it
   was already), {-4} not permitted,
-  {-6, holder} the lease is held by another consumer.
+  {-6, holder} the lease is held by another consumer, {-9, field} a field it may not write.
 ]]
 local function run_transition(status, from, who)
   local request_id, actor = ARGV[2], ARGV[3]
   local retention_ms, response_retention_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
+  -- the fields a transition may write: any other name (status, id, to, fp, hist...) would let
+  -- an agent rewrite the record, or send a response in another handoff's name
+  for i = 6, #ARGV, 2 do
+    if not WRITABLE[ARGV[i]] then return {-9, ARGV[i]} end
+  end
   local rec = read_record(KEYS[1], {'from', 'to', 'actor', 'lease', 'routed'})
   local current = rec.status
   if not current then return {-1} end
