@@ -156,15 +156,17 @@ async def load(bus: HandoffBus, agents: int, handoffs: int, say: Callable[[str],
     async with anyio.create_task_group() as tg:
         for worker in workers:
             await tg.start(worker.run)
-        limit = anyio.Semaphore(100)
+        issued = 0
 
-        async def bounded(i: int) -> None:
-            async with limit:
-                await one(i)
+        async def sender() -> None:  # 100 of these keep 100 in flight (not a task per handoff)
+            nonlocal issued
+            while issued < handoffs:
+                issued += 1
+                await one(issued - 1)
 
         async with anyio.create_task_group() as sending:
-            for i in range(handoffs):
-                sending.start_soon(bounded, i)
+            for _ in range(min(100, handoffs)):
+                sending.start_soon(sender)
         for worker in workers:
             worker.drain()
     elapsed = time.perf_counter() - start

@@ -66,3 +66,21 @@ def test_demo_on_an_embedded_cluster() -> None:
 def test_version_and_usage_errors() -> None:
     assert run("-m", "handoffbus", "-V").stdout.startswith("handoffbus ")
     assert run("-m", "handoffbus").returncode == 2
+
+
+def test_a_demo_stopped_with_sigterm_stops_its_embedded_server() -> None:
+    import os
+    import signal
+
+    with subprocess.Popen([sys.executable, "-m", "handoffbus", "demo", "--handoffs", "1000000"], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as demo:
+        try:
+            assert demo.stdout is not None and "embedded server" in demo.stdout.readline()  # it is running
+            [server] = Path(f"/proc/{demo.pid}/task/{demo.pid}/children").read_text().split()
+            demo.send_signal(signal.SIGTERM)
+            _, errors = demo.communicate(timeout=30)
+        finally:
+            demo.kill()
+    with pytest.raises(ProcessLookupError):  # stopped with it, not left behind
+        os.kill(int(server), 0)
+    assert "Traceback" not in errors

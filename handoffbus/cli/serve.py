@@ -201,7 +201,16 @@ def demo(
         usage_error("--cluster starts an embedded cluster: give it no --redis-url")
 
     async def go() -> int:
-        return EXIT_OK if await run_demo(url, print, agents, handoffs, cluster) else EXIT_FAILED
+        ok = False
+        async with anyio.create_task_group() as tg:
+            async def stop_on_signal() -> None:
+                await _signalled()  # SIGTERM too: the embedded server is stopped on the way out
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(stop_on_signal)
+            ok = await run_demo(url, print, agents, handoffs, cluster)
+            tg.cancel_scope.cancel()
+        return EXIT_OK if ok else EXIT_FAILED
 
     run(go)
 

@@ -28,7 +28,7 @@ from redis.exceptions import RedisError, ResponseError
 from .. import tracing
 from ..backoff import Backoff
 from ..client import rejection_fields
-from ..errors import InvalidRequest, InvalidTransition, LeaseLost, NotPermitted, raise_for_code
+from ..errors import HandoffbusError, InvalidRequest, InvalidTransition, LeaseLost, NotPermitted, raise_for_code
 from ..keys import GROUP
 from ..logs import AgentLog
 from ..models import TERMINAL, HandoffRequest, HandoffStatus
@@ -203,7 +203,7 @@ class Worker:
         with anyio.move_on_after(SETTLE_WAIT, shield=True) as scope:
             try:
                 await self._inbox.take(0, settle=done)
-            except (RedisError, OSError) as exc:
+            except (RedisError, OSError, HandoffbusError) as exc:  # the bus closing too
                 self._log.warning("%s: could not settle %d handoffs (%s); trying again with the next take",
                                   self.consumer, len(done), exc)
                 self._done = done + self._done
@@ -216,7 +216,7 @@ class Worker:
             hid, priority = self._give_back[0]
             try:
                 await self._inbox.requeue(hid, priority)
-            except (RedisError, OSError) as exc:
+            except (RedisError, OSError, HandoffbusError) as exc:  # the bus closing too
                 self._log.warning("%s: could not hand %s back (%s); it stays in this worker's pending "
                                   "entries, to be reclaimed", self.consumer, hid, exc, extra={"handoff_id": hid})
             del self._give_back[0]
