@@ -53,6 +53,8 @@ def _cluster_url(url: str, cluster: bool | None) -> tuple[str, bool]:
         return f"{CLUSTER_SCHEMES[scheme.lower()]}://{rest}", True
     if cluster and scheme.lower() == "unix":
         raise InvalidRequest("a Redis Cluster is reached over TCP (redis:// or rediss://), not a unix socket")
+    if not sep or scheme.lower() not in ("redis", "rediss", "unix"):
+        raise InvalidRequest(f"not a Redis URL: {url!r} (use redis://, rediss://, unix://, or redis+cluster://)")
     return url, bool(cluster)
 
 

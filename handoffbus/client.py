@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -426,6 +427,8 @@ class HandoffClient:
         a worker carries on from the recorded state (an ACCEPTED one is taken over, attempt + 1).
         """
         agent, bus = check_name(agent_id, "agent id"), self._bus
+        if not isinstance(entry_id, str) or not re.fullmatch(r"\d{1,20}-\d{1,20}", entry_id):
+            raise InvalidRequest(f"not a stream entry id: {entry_id!r} (like 1700000000000-0)")
         key = bus.keys.dead_letters(agent)
         found = await bus.redis.xrange(key, entry_id, entry_id)
         if not found:

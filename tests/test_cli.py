@@ -281,3 +281,15 @@ def test_a_worker_refuses_durations_that_would_break_it(cli: Cli, flag: str, val
     # --reclaim-idle 0 would take over every running handoff of the agent's other workers at once
     result = cli("worker", "tests.agents:Echo", flag, value)
     assert result.exit_code == 2 and flag in result.stderr
+
+
+def test_bad_input_to_the_operator_commands_is_a_usage_error(cli: Cli) -> None:
+    bad = (("pending", "x", "--count", "-1"), ("pending", "x", "--idle", "-5"), ("dlq", "replay", "x", "garbage"))
+    for args in bad:
+        result = cli(*args)
+        assert result.exit_code == 2 and "Traceback" not in result.output, (args, result.output)
+    result = CliRunner().invoke(app, ["status", "a/b", "--redis-url", "foo"])
+    assert result.exit_code == 2 and "not a Redis URL" in result.stderr
+    # a bad prefix is the caller's mistake, not an unhealthy bus
+    result = CliRunner().invoke(app, ["check", "--redis-url", cli.url, "--prefix", "bad{x}"])
+    assert result.exit_code == 2 and "invalid key prefix" in result.stderr

@@ -235,6 +235,8 @@ def pending(
     redis_url: RedisUrl = None, prefix: Prefix = None, as_json: Json = False,
 ) -> None:
     """List an agent's queued handoffs (in serving order) and those in flight at its workers."""
+    if count < 1 or (idle is not None and idle < 0):
+        usage_error("--count must be at least 1 and --idle not negative")
     run(_pending, options(ctx, redis_url, prefix, as_json), agent, idle, count)
 
 

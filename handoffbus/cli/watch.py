@@ -14,6 +14,7 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
+from ..errors import InvalidName, InvalidRequest
 from ..monitor import AgentView, observe_agents
 from ..stats import AgentCounts, quantile
 from .common import (
@@ -192,8 +193,8 @@ async def _check(opts: Options, agents: list[str], max_backlog_age: float) -> in
         async with open_bus(opts, "check") as bus:
             await bus.redis.ping()
             views = await observe_agents(bus, agents) if agents else []
-    except typer.Exit:
-        raise  # a usage error (no server given): exit 2, not "unhealthy"
+    except (typer.Exit, InvalidRequest, InvalidName):
+        raise  # a usage error (no server given, a bad prefix or URL): exit 2, not "unhealthy"
     except Exception as exc:
         problems.append(f"Redis unavailable: {exc}")
     for view in views:
