@@ -331,8 +331,10 @@ class HandoffBus:
         known.add(agent)  # before awaiting, so a burst of first requests sends one SADD
         try:
             await self.redis.sadd(key, agent)
-        except BaseException:
+        except BaseException as exc:
             known.discard(agent)
+            if self._closed and isinstance(exc, RedisError | OSError):  # its connection closed with the bus
+                raise HandoffbusError("the bus closed before Redis answered") from exc
             raise
 
     async def register_requester(self, agent: str) -> None:

@@ -52,6 +52,8 @@ GROUP = "forwarder"
 Call = tuple[str, list[str], list[Any]]
 #: transitions: ARGV[3] is the acting agent, which must be the sender
 _ACTING = {"accept", "reject", "complete", "fail", "cancel", "reclaim"}
+#: how long a stopping forwarder still answers an entry it has started on
+ANSWER_WAIT = 10.0
 _encode = msgspec.msgpack.Encoder()
 _calls = msgspec.msgpack.Decoder(list[tuple[str, list[str], list[Any]]])
 _replies = msgspec.msgpack.Decoder(list[tuple[bool, Any]])
@@ -199,7 +201,13 @@ class Forwarder:
 
     async def _answer(self, agent: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         """Run one outbox entry's calls, then reply and acknowledge in one round trip. Whatever
-        an entry holds, it is answered: one bad entry never stops the forwarder."""
+        an entry holds, it is answered: one bad entry never stops the forwarder. Shielded (and
+        bounded): a forwarder stopping between running the calls and replying would leave the
+        agent waiting out its timeout for calls that were made."""
+        with anyio.move_on_after(ANSWER_WAIT, shield=True):
+            await self._answer_now(agent, entry_id, fields)
+
+    async def _answer_now(self, agent: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         bus = self._bus
         count = 1
         try:

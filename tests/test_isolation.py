@@ -315,3 +315,31 @@ def test_a_signature_with_a_non_ascii_digest_is_refused_not_a_crash() -> None:
     with pytest.raises(Exception) as caught:
         ring.verify(bad, "req", "request", ["x"], b"body", 1000)
     assert type(caught.value).__name__ == "SignatureInvalid"
+
+
+async def test_a_stopping_forwarder_still_answers_the_entry_it_started_on(real_backend: str, servers: dict) -> None:
+    import msgspec as _msgspec
+
+    async with isolated(real_backend, servers) as setup:
+        trusted, forwarder = setup.trusted, setup.forwarder
+        mine = await setup.buses["req"].client("req").request_handoff(req("req", "mallory", reason="for m"))
+        keys = trusted.keys.record("req", mine.request_id)
+        calls = [("load", [keys.record, keys.envelope], [])]
+        ran = anyio.Event()
+        handle = forwarder._handle
+
+        async def handle_then_yield(sender: str, fields: dict[bytes, bytes]) -> bytes:
+            replies = await handle(sender, fields)
+            ran.set()  # the calls ran; the forwarder is told to stop before it replies
+            await anyio.lowlevel.checkpoint()
+            return replies
+
+        forwarder._handle = handle_then_yield  # type: ignore[method-assign]
+        before = await trusted.redis.xlen(trusted.keys.replies("mallory"))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(forwarder._answer, "mallory", b"1-1",
+                          {b"rid": b"stop-test", b"calls": _msgspec.msgpack.encode(calls)})
+            await ran.wait()
+            tg.cancel_scope.cancel()
+        replies = await trusted.redis.xrange(trusted.keys.replies("mallory"), "-", "+")
+        assert len(replies) == before + 1 and replies[-1][1][b"rid"] == b"stop-test"
