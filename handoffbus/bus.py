@@ -237,6 +237,9 @@ class HandoffBus:
 
     async def _close_client(self) -> None:
         self._closed = True  # calls still running outside (a caller's tasks) fail from here on
+        await self._release_client()
+
+    async def _release_client(self) -> None:
         if self._redis is not None:
             if is_cluster(self._redis):
                 seal(self._redis, True)  # a command still running must not connect it again
@@ -278,8 +281,8 @@ class HandoffBus:
                 "or connect with cluster=True (or a redis+cluster:// URL)")
         url, max_connections = self._connect_args
         cluster = _client(url, max_connections, cluster=True)
-        await self._close_client()
-        self._redis, self._closed = cluster, False  # the plain client closed, not the bus
+        await self._release_client()  # the plain client closes, not the bus
+        self._redis = cluster
         await self._check_server()
 
     def spawn(self, func: Callable[[], Coroutine[Any, Any, None]], *, name: str) -> None:

@@ -279,12 +279,12 @@ class HandoffClient:
 
     async def _refresh(self, waiter: Waiter) -> None:
         """Read the record (expiring it if due), feed the waiter and make sure the reader runs."""
+        reader = self._bus.reader(self.agent_id, self._refresh)
         found = await self._bus.read_record(waiter.handoff_id)
         if found is None:
-            self._bus.reader(self.agent_id, self._refresh).forget(waiter)
+            reader.forget(waiter)
             raise errors.HandoffNotFound(waiter.handoff_id)
         now_ms, cursor, record = found
-        reader = self._bus.reader(self.agent_id, self._refresh)
         reader.start(cursor)
         if record.status is HandoffStatus.PENDING:
             waiter.set_deadline(now_ms, record.deadline_ms)

@@ -10,12 +10,20 @@ from .codecs import DEFAULT_COMPRESS_THRESHOLD, DEFAULT_PAYLOAD_LIMIT, PayloadCo
 from .errors import InvalidRequest
 from .keys import DEFAULT_PREFIX
 
-__all__ = ["MAX_PRIORITY", "BusConfig"]
+__all__ = ["MAX_PRIORITY", "BusConfig", "check_seconds"]
 
 #: Priorities run from -MAX_PRIORITY to MAX_PRIORITY (see lua/enqueue-5.lua for why).
 MAX_PRIORITY = 1000
 #: The longest duration a setting may take: ten years, in seconds.
 MAX_SECONDS = 10 * 365 * 24 * 3600.0
+
+
+def check_seconds(name: str, value: object, least: float = 0.001) -> None:
+    """Raise InvalidRequest unless ``value`` is a number of seconds from ``least`` to
+    MAX_SECONDS. Redis takes milliseconds: under one would round to 0, which means "forever" to
+    XREAD BLOCK and "release" to the sweep lease; past MAX_SECONDS, or inf or NaN, breaks timers."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not least <= value <= MAX_SECONDS:
+        raise InvalidRequest(f"{name} must be a number of seconds from {least:g} to {MAX_SECONDS:.0f}")
 
 
 class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,11 +60,7 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("default_timeout", "max_timeout", "record_retention", "response_retention",
                      "sweep_interval", "sweep_lease", "read_block", "route_age_step", "offer_time",
                      "route_claim", "route_guard"):
-            value = getattr(self, name)
-            # Redis takes milliseconds: under one would round to 0, which means "forever" to
-            # XREAD BLOCK and "release" to the sweep lease; past MAX_SECONDS, or inf, overflows
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0.001 <= value <= MAX_SECONDS:
-                raise InvalidRequest(f"{name} must be a number of seconds from 0.001 to {MAX_SECONDS:.0f}")
+            check_seconds(name, getattr(self, name))
         if self.default_timeout > self.max_timeout:
             raise InvalidRequest("default_timeout exceeds max_timeout")
         for name in ("sweep_batch", "max_queued", "max_pending"):

@@ -358,12 +358,9 @@ class Forwarder:
 
 
 def _priority(value: Any) -> bool:
-    """Whether ``value`` is a priority: an int in range (the scores rely on it)."""
-    try:
-        return (type(value) is int and -MAX_PRIORITY <= value <= MAX_PRIORITY) or (
-            isinstance(value, bytes | str) and -MAX_PRIORITY <= int(value) <= MAX_PRIORITY)
-    except ValueError:
-        return False
+    """Whether ``value`` is a priority: an int in range (the scores rely on it; the bus's own
+    calls carry ints)."""
+    return type(value) is int and -MAX_PRIORITY <= value <= MAX_PRIORITY
 
 
 def _handoff_of_record_key(bus: HandoffBus, keys: Sequence[str]) -> str:

@@ -420,6 +420,7 @@ async def test_closing_the_bus_closes_connections_left_on_a_node_the_client_drop
         assert left and all(c.is_connected for c in left)
         # a topology refresh replaced the node: the client's own close reaches the new one only
         fresh = ClusterNode(node.host, node.port, node.server_type, **manager.connection_kwargs)
+        dropped = [n for n in (manager.startup_nodes.get(node.name),) if n is not None and n is not node]
         manager.nodes_cache[node.name] = manager.startup_nodes[node.name] = fresh
         for owners in manager.slots_cache.values():
             owners[:] = [fresh if n is node else n for n in owners]
@@ -431,6 +432,8 @@ async def test_closing_the_bus_closes_connections_left_on_a_node_the_client_drop
         for other in node._connections:  # redis-py's own there: its refresh (set_nodes) closes those
             if all(other is not c for c in left):
                 await other.disconnect()
+        for startup in dropped:  # and the startup node object this test swapped out, as set_nodes would
+            await startup.disconnect()
     assert not any(c.is_connected for c in kept)  # and the client closed the rest
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import math
 import os
 import signal
 import sys
@@ -15,10 +14,11 @@ import anyio
 import typer
 
 from ..bus import HandoffBus
-from ..errors import HandoffbusError
+from ..config import check_seconds
+from ..errors import HandoffbusError, InvalidRequest
 from ..logs import FORMAT
 from ..workers import Agent, Worker
-from ..workers.runner import serve_until_signalled
+from ..workers.runner import MIN_RECLAIM_IDLE, serve_until_signalled
 from .common import EXIT_FAILED, EXIT_OK, Options, Prefix, RedisUrl, open_bus, options, run, serve, usage_error
 
 __all__ = ["register"]
@@ -111,10 +111,12 @@ def worker(
         usage_error("--isolated serves one agent per process: its bus connects as that agent's user")
     if concurrency < 1:
         usage_error("--concurrency must be at least 1")
-    for flag, value, least in (("--grace", grace, 0.0), ("--reclaim-idle", reclaim_idle, 0.01),
-                               ("--offer-time", offer_time, 0.001)):
-        if not least <= value < math.inf:  # NaN fails too
-            usage_error(f"{flag} must be a finite number of seconds, at least {least:g}")
+    try:
+        check_seconds("--grace", grace, least=0.0)
+        check_seconds("--reclaim-idle", reclaim_idle, least=MIN_RECLAIM_IDLE)
+        check_seconds("--offer-time", offer_time)
+    except InvalidRequest as exc:
+        usage_error(str(exc))
     _logging()
     instances = [agent_class() for agent_class in classes] + sdk_agents
     registry = None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import os
 import signal
 import socket
@@ -28,6 +27,7 @@ from redis.exceptions import RedisError, ResponseError
 from .. import tracing
 from ..backoff import Backoff
 from ..client import rejection_fields
+from ..config import check_seconds
 from ..errors import HandoffbusError, InvalidRequest, InvalidTransition, LeaseLost, NotPermitted, raise_for_code
 from ..keys import GROUP
 from ..logs import AgentLog
@@ -51,6 +51,8 @@ REGISTER_WAIT = 5.0
 SETTLE_DELAY = 0.02
 #: seconds a settle of finished handoffs may take once sent, a stop notwithstanding
 SETTLE_WAIT = 10.0
+#: the shortest reclaim time a worker takes (seconds)
+MIN_RECLAIM_IDLE = 0.01
 
 
 def default_consumer_name() -> str:
@@ -82,12 +84,11 @@ class Worker:
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
-        # a reclaim time near 0 would take over every other worker's running handoffs at once
-        # (and make the heartbeat's time to live 0); inf or NaN break the timers
-        for name, value, least in (("reclaim_idle", reclaim_idle, 0.01), ("block", block, 0.001),
-                                   ("grace", grace, 0.0)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not least <= value < math.inf:
-                raise ValueError(f"{name} must be a finite number of seconds, at least {least}")
+        # InvalidRequest is a ValueError; a reclaim time near 0 would take over every other
+        # worker's running handoffs at once (and make the heartbeat's time to live 0)
+        check_seconds("reclaim_idle", reclaim_idle, least=MIN_RECLAIM_IDLE)
+        check_seconds("block", block)
+        check_seconds("grace", grace, least=0.0)
         if type(max_deliveries) is not int or max_deliveries < 1:
             raise ValueError("max_deliveries must be an int, at least 1")
         check_names(agent.capabilities, "capability")  # they go into the registry and routing as they are
