@@ -281,8 +281,7 @@ class HandoffClient:
         """Read the record (expiring it if due), feed the waiter and make sure the reader runs."""
         reader = self._bus.reader(self.agent_id, self._refresh)
         found = await self._bus.read_record(waiter.handoff_id)
-        if found is None:
-            reader.forget(waiter)
+        if found is None:  # or not written yet: a waiter is registered before its request
             raise errors.HandoffNotFound(waiter.handoff_id)
         now_ms, cursor, record = found
         reader.start(cursor)
@@ -293,6 +292,15 @@ class HandoffClient:
         waiter.feed_record(record)
         if waiter.outcome is not None:
             reader.forget(waiter)  # nothing more will come for it
+
+    async def _reread(self, waiter: Waiter) -> None:
+        """``_refresh`` for a caller waiting on the handoff: not found by then, it is gone, and
+        its waiter with it."""
+        try:
+            await self._refresh(waiter)
+        except errors.HandoffNotFound:
+            self._bus.reader(self.agent_id, self._refresh).forget(waiter)
+            raise
 
     # ------------------------------------------------------------------ transitions
 

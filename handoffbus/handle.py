@@ -54,7 +54,7 @@ class HandoffHandle:
                 await waiter.wait_decided()
             if waiter.decision is None:
                 # at or past the deadline the status script itself makes the handoff EXPIRED
-                await self._client._refresh(waiter)
+                await self._client._reread(waiter)
         return waiter.decision
 
     async def outcome(self) -> HandoffResponse:
@@ -67,7 +67,7 @@ class HandoffHandle:
             with anyio.move_on_after(_SAFETY_REFRESH):
                 await waiter.wait_finished()
             if waiter.outcome is None:
-                await self._client._refresh(waiter)
+                await self._client._reread(waiter)
         return waiter.outcome
 
     async def status(self) -> HandoffRecord | None:

@@ -131,13 +131,14 @@ class ResponseReader:
 
     async def _resync(self) -> None:
         """Re-read every watched record after a gap in reading (the refresh forgets waiters
-        that got their outcome, and those whose record is gone). A record that cannot be read
-        is logged and stays watched; only Redis errors end the pass, to be tried again."""
+        that got their outcome). A record not found stays watched: its request may not be
+        written yet, and its handle finds out at the deadline. A record that cannot be read is
+        logged; only Redis errors end the pass, to be tried again."""
         for waiter in list(self._waiters.values()):
             try:
                 await self._refresh(waiter)
             except HandoffNotFound:
-                log.warning("response reader for %s: %s is gone", self._agent, waiter.handoff_id)
+                continue
             except HandoffbusError:
                 log.exception("response reader for %s: cannot read %s", self._agent, waiter.handoff_id)
 
