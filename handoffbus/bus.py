@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import redis.asyncio as aioredis
 from anyio.abc import TaskGroup
-from redis.exceptions import AuthenticationError, RedisError
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 
 from .batching import ScriptBatcher
 from .client import HandoffClient
@@ -24,6 +24,7 @@ from .forwarding import Outbox
 from .keys import GROUP, Keys
 from .models import HandoffRecord
 from .names import split_handoff_id
+from .plainreads import load_rows, refuses_scripts, status_reply
 from .policies import HandoffPolicy
 from .records import Loaded, loaded_from_row, record_from_hash
 from .routing import Router
@@ -125,6 +126,9 @@ class HandoffBus:
         self.router = Router(self)
         self._known_requesters: set[str] = set()
         self._known_targets: set[str] = set()
+        #: set once the server refused this bus's user its scripts (a read-only user, such as
+        #: acl.py's monitor): records are read with plain commands from then on
+        self.plain_reads = False
         self.sweeper = Sweeper(self)
         #: counts of the transitions and expiries this process makes, added to the agents'
         #: stats hashes every second (see stats.py)
@@ -203,7 +207,10 @@ class HandoffBus:
             if self._owns_client:
                 stack.push_async_callback(self._close_client)
             await self._check_server()
-            await self.scripts.load_all(self.redis)
+            try:
+                await self.scripts.load_all(self.redis)
+            except NoPermissionError:  # a read-only user, like acl.py's monitor: it reads plainly
+                self.plain_reads = True
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             self._batcher = ScriptBatcher(self.redis, self.scripts)
             await self._tg.start(self._batcher.run)
@@ -374,30 +381,49 @@ class HandoffBus:
         """What each record holds (None where it is gone), in one round trip; never raises for bad data."""
         if not handoff_ids:
             return []
-        calls: list[tuple[str, list[str], list[Any]]] = []
-        for handoff_id in handoff_ids:
-            requester, request_id = split_handoff_id(handoff_id)
-            keys = self.keys.record(requester, request_id)
-            calls.append(("load", [keys.record, keys.envelope], []))
-        rows = await self.scripts_many(calls)
+        keys = [self.keys.record(*split_handoff_id(handoff_id)) for handoff_id in handoff_ids]
+        rows: list[Any] | None = None
+        if not self.plain_reads:
+            rows = await self.scripts_many([("load", [k.record, k.envelope], []) for k in keys])
+            if self.refused_scripts(rows):
+                rows = None
+        if rows is None:
+            rows = await load_rows(self.redis, keys)
         for row in rows:
             if isinstance(row, BaseException):
                 raise row
         return [loaded_from_row(row, self.codec, self.keyring) for row in rows]
 
     async def read_record(self, handoff_id: str) -> tuple[int, bytes, HandoffRecord] | None:
-        """(server now ms, response stream position, record) or None; expires the record if due."""
+        """(server now ms, response stream position, record) or None; expires the record if due
+        (not when this bus's user may only read: see plainreads.py)."""
         requester, request_id = split_handoff_id(handoff_id)
-        reply = await self.script(
-            "status", self.keys.record(requester, request_id).as_list(),
-            [request_id, self.config.retention_ms, self.config.response_retention_ms],
-        )
+        keys = self.keys.record(requester, request_id)
+        reply: Any = None
+        if not self.plain_reads:
+            [reply] = await self.scripts_many([
+                ("status", keys.as_list(), [request_id, self.config.retention_ms, self.config.response_retention_ms]),
+            ])
+            if self.refused_scripts([reply]):
+                reply = None
+            elif isinstance(reply, BaseException):
+                raise reply
+        if reply is None:
+            reply = await status_reply(self.redis, keys)
         if reply[0] == -1:
             return None
         fields = dict(zip(reply[3::2], reply[4::2], strict=True))
         if reply[2] == 1 and fields.get(b"to"):
             await self.settle_expired({fields[b"to"].decode(): [handoff_id]})  # this read expired it
         return int(reply[0]), reply[1], record_from_hash(fields, self.codec, self.keyring)
+
+    def refused_scripts(self, replies: Sequence[Any]) -> bool:
+        """Whether the server refused this user EVALSHA itself (then reads go plain from now on;
+        a key it may not reach is refused to plain reads as well). An isolated agent's reads of
+        its peers go through the forwarder: never plain."""
+        if self._outbox is None and any(map(refuses_scripts, replies)):
+            self.plain_reads = True
+        return self.plain_reads
 
     async def server_time_ms(self) -> int:
         seconds, micros = await self.redis.time()

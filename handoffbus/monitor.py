@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from .names import split_handoff_id
+from .plainreads import observe_replies
 from .records import text
 from .stats import AgentCounts
 
@@ -65,9 +66,15 @@ async def observe_agents(bus: HandoffBus, agents: Sequence[str] | None = None) -
     if not names:
         return []
     keys = bus.keys
-    replies = await bus.scripts_many([
-        ("observe", [*keys.target(name).as_list(), keys.stats(name)], [BANDS]) for name in names
-    ])
+    replies: list[Any] | None = None
+    if not bus.plain_reads:
+        replies = await bus.scripts_many([
+            ("observe", [*keys.target(name).as_list(), keys.stats(name)], [BANDS]) for name in names
+        ])
+        if bus.refused_scripts(replies):  # a read-only user: the same, with plain commands
+            replies = None
+    if replies is None:
+        replies = await observe_replies(bus.redis, [(keys.target(name), keys.stats(name)) for name in names], BANDS)
     heads: list[tuple[int, str]] = []  # (agent index, handoff id) of every band head
     for i, reply in enumerate(replies):
         if isinstance(reply, BaseException):

@@ -19,6 +19,7 @@ import anyio
 from anyio.abc import TaskStatus
 from redis.exceptions import RedisError
 
+from .plainreads import refuses_scripts
 from .routing import Reroute
 
 if TYPE_CHECKING:
@@ -49,6 +50,10 @@ class Sweeper:
     async def wait_pass(self) -> None:
         """Return when this bus finishes its next sweep pass (expiry and queue settlement)."""
         await self._pass_done.wait()
+
+    async def wait_stopped(self) -> None:
+        """Return once the sweep has ended: the bus closed, or its user may not run scripts."""
+        await self._stopped.wait()
 
     async def hold_lease(self) -> bool:
         bus = self._bus
@@ -148,6 +153,9 @@ class Sweeper:
                     self._pass_done.set()
                     self._pass_done = anyio.Event()
             except (RedisError, OSError) as exc:
+                if refuses_scripts(exc):  # a read-only user (acl.py's monitor): others sweep
+                    log.info("expiry sweep: this bus's user may not run scripts; not sweeping")
+                    return
                 self.backlog = False
                 log.warning("expiry sweep failed (%s); retrying", exc)
             except Exception:  # e.g. a record written by hand: the sweep goes on for the others

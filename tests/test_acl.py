@@ -8,13 +8,16 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio
 import pytest
+import redis
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, ResponseError
 
+from handoffbus import HandoffRequest
 from handoffbus.acl import AclUser, agent_user, monitor_user
 
-from .conftest import new_prefix
+from .conftest import make_bus, new_prefix
 from .helpers import ROOT
 
 pytestmark = pytest.mark.anyio
@@ -137,3 +140,34 @@ def test_the_acl_command_prints_a_user_per_agent_plus_forwarder_and_monitor() ->
     bad = subprocess.run([sys.executable, "-m", "handoffbus", "acl", "bad{id}"], cwd=ROOT, capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "invalid agent id" in bad.stderr
+
+
+def test_the_cli_runs_read_commands_as_the_monitor_user(servers: dict) -> None:
+    """`status` and `pending` work as the monitor user; a write says the ACL refused it, no traceback."""
+    prefix = new_prefix()
+    user = monitor_user(prefix)
+    name = next(iter(servers))
+    server = servers[name]
+    admin = redis.Redis(unix_socket_path=server.url.removeprefix("unix://"))
+    admin.execute_command(*user.setuser())
+    try:
+        async def request() -> str:
+            async with make_bus(name, servers, prefix=prefix) as bus:
+                handle = await bus.client("alice").request_handoff(
+                    HandoffRequest(from_agent="alice", to_agent="bob", reason="look"))
+                return handle.handoff_id
+
+        hid = anyio.run(request)
+        url = f"unix://{user.name}:{user.password}@{server.url.removeprefix('unix://')}"
+        base = [sys.executable, "-m", "handoffbus", "--redis-url", url, "--prefix", prefix]
+        status = subprocess.run([*base, "status", hid], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0 and "PENDING" in status.stdout, status.stderr
+        pending = subprocess.run([*base, "pending", "bob", "--json"], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=60)
+        assert pending.returncode == 0 and f'"{hid}"' in pending.stdout, pending.stderr
+        write = subprocess.run([*base, "request", "bob", "--from", "carol"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=60)
+        assert write.returncode == 1 and "ACL refused" in write.stderr and "Traceback" not in write.stderr
+    finally:
+        admin.execute_command("ACL", "DELUSER", user.name)
+        admin.close()

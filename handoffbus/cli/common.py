@@ -19,6 +19,7 @@ import anyio
 import msgspec
 import typer
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoPermissionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rich.console import Console
 from rich.table import Table
@@ -87,6 +88,9 @@ def run(func: Callable[..., Awaitable[int]], *args: Any) -> None:
         code = EXIT_USAGE
     except HandoffbusError as exc:
         errors.print(f"handoffbus: {type(exc).__name__}: {exc}")
+        code = EXIT_FAILED
+    except NoPermissionError as exc:  # e.g. the read-only monitor user asked to write
+        errors.print(f"handoffbus: the server's ACL refused this user: {exc}")
         code = EXIT_FAILED
     except KeyboardInterrupt:
         code = 130

@@ -1,0 +1,111 @@
+"""Record reads without scripts, for a user the server's ACL lets read but not run scripts.
+
+The monitor user that ``handoffbus acl`` prints may read every key but run no script (a
+script can write). The bus reads records with the ``status`` and ``load`` scripts; when the
+server answers those with NOPERM, it reads with these plain commands instead. They build the
+scripts' replies, so one decoder serves both.
+
+What a plain read cannot do is write: a PENDING handoff past its deadline that no sweep has
+expired yet is reported as it stands, PENDING with its deadline passed, instead of being made
+EXPIRED by the read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from redis.exceptions import NoPermissionError
+
+from .keys import RecordKeys, TargetKeys
+
+__all__ = ["LOAD_FIELDS", "load_rows", "observe_replies", "refuses_scripts", "status_reply"]
+
+#: a queue score is priority * 2^42 + sequence (see lua/enqueue-5.lua)
+BAND_SIZE = 1 << 42
+
+#: the record fields the ``load`` script reads, in its order (see lua/load-2.lua)
+LOAD_FIELDS = ("status", "env", "agent", "attempt", "created", "deadline", "id", "from", "to", "routed", "caps",
+               "sig", "lease")
+
+
+def refuses_scripts(reply: object) -> bool:
+    """Whether a reply is the server's NOPERM for EVALSHA itself (not for a key: a key this
+    user may not reach is refused to plain reads as well)."""
+    return isinstance(reply, NoPermissionError) and "'evalsha'" in str(reply).lower()
+
+
+async def _now_ms(redis: Any) -> int:
+    """The server's time (a node's, on a cluster: a cluster pipeline takes no TIME)."""
+    seconds, micros = await redis.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+async def status_reply(redis: Any, keys: RecordKeys) -> list[Any]:
+    """What the ``status`` script returns, read without writing: {-1} when there is no record,
+    else {now ms, last response id, 0, field, value, ..., 'env', envelope}."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.hgetall(keys.record)
+        pipe.get(keys.envelope)
+        pipe.xrevrange(keys.responses, "+", "-", count=1)
+        fields, envelope, last = await pipe.execute()
+    if not fields:
+        return [-1]
+    out: list[Any] = [await _now_ms(redis), last[0][0] if last else b"0-0", 0]
+    for name, value in fields.items():
+        out += (name, value)
+    if envelope is not None:  # else a record written before the envelope had its own key carries `env`
+        out += (b"env", envelope)
+    return out
+
+
+async def load_rows(redis: Any, keys: Sequence[RecordKeys]) -> list[list[Any]]:
+    """What the ``load`` script returns for each record."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for record_keys in keys:
+            pipe.hmget(record_keys.record, LOAD_FIELDS)
+            pipe.get(record_keys.envelope)
+        replies = await pipe.execute()
+    now_ms = await _now_ms(redis)
+    rows = []
+    for i in range(len(keys)):
+        row, envelope = list(replies[2 * i]), replies[2 * i + 1]
+        if row[0] is not None and envelope is not None:
+            row[1] = envelope
+        rows.append([*row[:12], now_ms, row[12]])  # the script's order: server time, then the lease
+    return rows
+
+
+async def observe_replies(redis: Any, agents: Sequence[tuple[TargetKeys, str]], bands: int) -> list[list[Any]]:
+    """What the ``observe`` script returns for each (queue keys, stats key): {queued, in flight,
+    oldest in-flight entry id, Redis time ms, flat stats, flat band heads}. The band heads take
+    one round trip per band, for the agents that have one more."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for target, stats in agents:
+            pipe.zcard(target.queue)
+            pipe.hlen(target.inflight)
+            pipe.xrange(target.inbox, count=1)
+            pipe.hgetall(stats)
+        replies = await pipe.execute()
+    now_ms = await _now_ms(redis)
+    out: list[list[Any]] = []
+    for i in range(len(agents)):
+        queued, inflight, first, stats = replies[4 * i:4 * i + 4]
+        flat = [part for pair in stats.items() for part in pair]
+        out.append([queued, inflight, first[0][0] if first else b"", now_ms, flat, []])
+    starts: dict[int, str] = dict.fromkeys(range(len(agents)), "-inf")
+    for _ in range(bands):
+        if not starts:
+            break
+        async with redis.pipeline(transaction=False) as pipe:
+            for i, start in starts.items():
+                pipe.zrangebyscore(agents[i][0].queue, start, "+inf", start=0, num=1, withscores=True)
+            found = await pipe.execute()
+        following: dict[int, str] = {}
+        for i, head in zip(starts, found, strict=True):
+            if head:
+                member, score = head[0]
+                out[i][5] += (member, b"%d" % score)
+                following[i] = str((int(score) // BAND_SIZE + 1) * BAND_SIZE)
+        starts = following
+    return out
