@@ -73,6 +73,19 @@ def _client(url: str, max_connections: int | None, cluster: bool | None = None) 
         url, max_connections=max_connections or 64, timeout=None, **options)
     return aioredis.Redis.from_pool(pool)  # the client owns the pool and closes it
 
+def _blocking_client(redis: Any) -> Any:
+    """On one server, a client whose connections serve blocking reads only, made as they are
+    needed: every blocked reader holds a connection for as long as it blocks, and a process with
+    more readers than its pool has connections (a forwarder serving many agents, many requesters
+    or served agents in one process) would leave every script call waiting for one. None where
+    the bus's client serves them too: a cluster client (a pool of 512 per node) or fakeredis."""
+    if is_cluster(redis) or type(redis).__module__.startswith("fakeredis"):
+        return None
+    pool = redis.connection_pool
+    return aioredis.Redis.from_pool(aioredis.ConnectionPool(connection_class=pool.connection_class,
+                                                            **pool.connection_kwargs))
+
+
 log = logging.getLogger("handoffbus")
 MIN_SERVER_VERSION = (7, 0)
 
@@ -118,6 +131,7 @@ class HandoffBus:
         self._connect_args: tuple[str, int | None] | None = None
         self._owns_client = owns_client or server is not None
         self._closed = False  # closed by __aexit__ (a client it owns is closed with it)
+        self._blocking: Any = None
         self.scripts = Scripts()
         self._batcher: ScriptBatcher | None = None
         self._tg: TaskGroup | None = None
@@ -148,8 +162,10 @@ class HandoffBus:
         scheme ``redis+cluster://`` / ``rediss+cluster://``, asks for the cluster client from
         the start; ``cluster=False`` refuses a cluster server.
 
-        The pool waits for a free connection instead of failing (64 by default); a cluster
-        client opens up to ``max_connections`` per node (512 by default) and fails beyond.
+        The pool waits for a free connection instead of failing (64 by default); blocking
+        reads use connections of their own, one per blocked reader, outside it. A cluster
+        client opens up to ``max_connections`` per node (512 by default), blocking reads
+        included, and fails beyond.
         No socket timeout is set: readers block in XREAD for ``read_block`` seconds and must
         not be cut off (TCP keepalive finds dead peers). A ``socket_timeout`` in the URL
         still applies.
@@ -207,6 +223,8 @@ class HandoffBus:
             if self._owns_client:
                 stack.push_async_callback(self._close_client)
             await self._check_server()
+            self._blocking = _blocking_client(self.redis)
+            stack.push_async_callback(self._close_blocking)  # after the task group: its readers end first
             try:
                 await self.scripts.load_all(self.redis)
             except NoPermissionError:  # a read-only user, like acl.py's monitor: it reads plainly
@@ -241,6 +259,21 @@ class HandoffBus:
             await self._stack.aclose()
         self._tg = self._stack = None
         self._readers.clear()
+
+    @property
+    def blocking_redis(self) -> Any:
+        """The client for blocking reads (XREAD BLOCK, XREADGROUP BLOCK): see _blocking_client."""
+        if self._blocking is None:
+            return self.redis
+        if self._closed:
+            raise HandoffbusError("the bus is closed")
+        return self._blocking
+
+    async def _close_blocking(self) -> None:
+        blocking, self._blocking = self._blocking, None
+        if blocking is not None:
+            with anyio.CancelScope(shield=True):
+                await blocking.aclose()
 
     async def _close_client(self) -> None:
         self._closed = True  # calls still running outside (a caller's tasks) fail from here on

@@ -83,7 +83,7 @@ class Outbox:
         backoff = Backoff()
         while True:
             try:
-                found = await self._bus.redis.xread({self._replies: self._cursor}, block=1000, count=100)
+                found = await self._bus.blocking_redis.xread({self._replies: self._cursor}, block=1000, count=100)
             except (RedisError, OSError) as exc:
                 log.warning("%s: reading forwarder replies failed (%s)", self.agent, exc)
                 await anyio.sleep(backoff.delay())
@@ -179,7 +179,7 @@ class Forwarder:
         backoff = Backoff()
         while True:
             try:
-                found = await bus.redis.xreadgroup(GROUP, "forwarder", {stream: cursor}, count=100,
+                found = await bus.blocking_redis.xreadgroup(GROUP, "forwarder", {stream: cursor}, count=100,
                                                    block=None if cursor == "0" else 1000)
                 entries = found[0][1] if found else []
                 if cursor == "0" and not entries:

@@ -143,7 +143,7 @@ class ResponseReader:
                 log.exception("response reader for %s: cannot read %s", self._agent, waiter.handoff_id)
 
     async def _run(self) -> None:
-        redis = self._bus.redis
+        redis = self._bus.blocking_redis
         block_ms = int(self._bus.config.read_block * 1000)
         backoff = Backoff(cap=2.0)
         while True:

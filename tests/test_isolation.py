@@ -51,7 +51,8 @@ class Setup:
 
 
 @asynccontextmanager
-async def isolated(real_backend: str, servers: dict, agents: tuple[str, ...] = AGENTS) -> AsyncIterator[Setup]:
+async def isolated(real_backend: str, servers: dict, agents: tuple[str, ...] = AGENTS,
+                   forwarder_connections: int | None = None) -> AsyncIterator[Setup]:
     """ACL users for the agents and the forwarder; a bus per agent, as its own user."""
     server = servers[real_backend]
     prefix = new_prefix()
@@ -65,7 +66,8 @@ async def isolated(real_backend: str, servers: dict, agents: tuple[str, ...] = A
         return f"redis://{user.name}:{user.password}@127.0.0.1:{server.port}/0"
 
     try:
-        async with HandoffBus.connect(url(users["forwarder"]), prefix=prefix, sweep_interval=0.05) as trusted, \
+        async with HandoffBus.connect(url(users["forwarder"]), prefix=prefix, sweep_interval=0.05,
+                                      max_connections=forwarder_connections) as trusted, \
                 anyio.create_task_group() as tg:
             forwarder = Forwarder(trusted, agents)
             await tg.start(forwarder.run)
@@ -104,6 +106,21 @@ async def test_a_handoff_between_isolated_agents(real_backend: str, servers: dic
     assert gone.status is HandoffStatus.CANCELLED and late.status is HandoffStatus.EXPIRED
     assert queue_left == 0  # the cancelled and the expired one were taken out of the queue, by forwarded settles
     assert setup.forwarder.forwarded > 0 and setup.forwarder.refused == 0
+
+
+async def test_a_forwarder_serves_more_agents_than_its_pool_has_connections(real_backend: str, servers: dict) -> None:
+    """The forwarder blocks on every served agent's outbox: with more agents than its bus's pool
+    has connections, the calls it runs for them must not wait for a read to time out."""
+    requesters = tuple(f"req{i}" for i in range(5))
+    async with isolated(real_backend, servers, ("echo-1", *requesters), forwarder_connections=4) as setup, \
+            anyio.create_task_group() as tg:
+        worker = Worker(setup.buses["echo-1"], Echo())
+        await tg.start(worker.run)
+        with anyio.fail_after(20):
+            for name in requesters:
+                handle = await setup.buses[name].client(name).request_handoff(req(name, "echo-1"))
+                assert (await handle.outcome()).status is HandoffStatus.COMPLETED
+        worker.drain()
 
 
 async def test_the_forwarder_refuses_calls_that_act_as_someone_else(real_backend: str, servers: dict) -> None:

@@ -107,3 +107,22 @@ async def test_a_handoff_resubmitted_after_its_outcome_is_not_watched(bus: Hando
     again = await alice.request_handoff(req("alice", "bob", request_id="r1"))
     assert (await again.outcome()).status is HandoffStatus.CANCELLED
     assert not bus.reader("alice", alice._refresh).watching(again.handoff_id)
+
+
+async def test_blocked_readers_never_leave_script_calls_waiting_for_a_connection(
+        real_backend: str, servers: dict) -> None:
+    """Each blocked reader (a requester's responses, a worker's doorbell, a forwarder's outbox)
+    holds a connection while it blocks. More of them than the bus's pool has connections must
+    not leave the script calls waiting for one until a read times out."""
+    from .agents import Echo
+    from .conftest import make_bus
+    from .helpers import serving
+
+    async with make_bus(real_backend, servers, max_connections=4, read_block=60) as bus, serving(bus, Echo()):
+        requesters = [bus.client(f"r{i}") for i in range(6)]  # 6 response readers and a doorbell: 7 > 4
+        with anyio.fail_after(20):
+            handles = [await r.request_handoff(req(r.agent_id, Echo.agent_id)) for r in requesters]
+            outcomes = [await handle.outcome() for handle in handles]
+            again = await requesters[0].request_handoff(req("r0", Echo.agent_id))  # with every reader blocked
+            outcomes.append(await again.outcome())
+    assert [o.status for o in outcomes] == [HandoffStatus.COMPLETED] * 7

@@ -50,7 +50,7 @@ class Inbox:
 
     async def wait(self, bell: bytes, block_ms: int) -> bool:
         """Block until something is enqueued after ``bell`` (True) or ``block_ms`` pass (False)."""
-        reply = await self._bus.redis.xread({self._keys[4]: bell}, count=1, block=block_ms)
+        reply = await self._bus.blocking_redis.xread({self._keys[4]: bell}, count=1, block=block_ms)
         return bool(reply)
 
     async def restore(self) -> int:
