@@ -10,7 +10,9 @@ writes a peer's keys; handoffs between agents cross over through a trusted forwa
 user alone reaches every key of the prefix. The monitoring user only reads.
 
 No user gets FLUSHALL/FLUSHDB, CONFIG, KEYS, SCRIPT FLUSH/KILL, FUNCTION, DEBUG, ACL,
-MONITOR, SHUTDOWN or any other administrative command: the users start from ``-@all``.
+MONITOR, SHUTDOWN or any other administrative command: the users start from ``-@all``. Only
+the forwarder's loads scripts (the bus's own, which agents then run by EVALSHA): a script
+an agent wrote could loop and stall the server.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ __all__ = ["AGENT_COMMANDS", "AclUser", "agent_user", "forwarder_user", "monitor
 
 _CONNECTION = ("hello", "auth", "ping", "select", "info", "time", "client|setname",
                "client|getname", "client|id", "command", "readonly")
-#: EVALSHA only: scripts are the bus's own; they are loaded all at once, in a MULTI
-_SCRIPTS = ("evalsha", "evalsha_ro", "script|load", "script|exists", "multi", "exec", "discard")
+#: EVALSHA only: an agent runs the bus's scripts, which the forwarder loads (one it loaded
+#: itself could loop and stall the server)
+_SCRIPTS = ("evalsha",)
+#: the forwarder keeps the scripts loaded, all at once, in a MULTI
+_SCRIPT_LOADING = ("script|load", "script|exists", "multi", "exec", "discard")
 _STREAMS = ("xadd", "xread", "xreadgroup", "xack", "xclaim", "xautoclaim", "xpending", "xrange", "xrevrange",
             "xdel", "xlen", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "xgroup|create",
             "xgroup|createconsumer")
@@ -36,8 +41,8 @@ _DATA = ("get", "set", "del", "unlink", "exists", "type", "pexpire", "pttl", "in
 #: what an agent's worker and client run, on their own slot's keys only
 AGENT_COMMANDS = (*_CONNECTION, *_SCRIPTS, *_STREAMS, *_DATA)
 #: the forwarder also finds the agents' outboxes and reads cluster layout
-_FORWARDER_EXTRA = ("scan", "cluster|slots", "cluster|shards", "cluster|myid", "cluster|info", "cluster|keyslot",
-                    "xgroup|destroy", "xgroup|delconsumer")
+_FORWARDER_EXTRA = (*_SCRIPT_LOADING, "scan", "cluster|slots", "cluster|shards", "cluster|myid", "cluster|info",
+                    "cluster|keyslot", "xgroup|destroy", "xgroup|delconsumer")
 #: the monitor's: reads only, no script at all (a loaded script could loop and stall the
 #: server; the bus reads with plain commands for this user, see plainreads.py)
 _READS = ("xread", "xrange", "xrevrange", "xlen", "xpending", "xinfo|stream", "xinfo|groups", "xinfo|consumers",

@@ -16,6 +16,7 @@ On a Redis Cluster, ``cluster.py`` sends each batch (see there).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -26,14 +27,20 @@ from .errors import HandoffbusError
 from .scripts import Script, Scripts
 from .wire import Group, ScriptCall, exchange, no_script
 
-__all__ = ["ScriptBatcher"]
+__all__ = ["Reload", "ScriptBatcher"]
 
 #: times a call that met NOSCRIPT is loaded and sent again before its error is returned
 NOSCRIPT_ROUNDS = 5
 
 
+#: what a batcher runs when calls met NOSCRIPT, before it sends them again: given the scripts missing
+Reload = Callable[[Sequence[Script]], Awaitable[None]]
+
+
 class ScriptBatcher:
-    def __init__(self, redis: Any, scripts: Scripts, *, senders: int = 2, max_batch: int = 512) -> None:
+    def __init__(self, redis: Any, scripts: Scripts, *, senders: int = 2, max_batch: int = 512,
+                 reload: Reload | None = None) -> None:
+        """``reload``: by default the batcher loads the scripts itself (``load``)."""
         self._redis = redis
         self._scripts = scripts
         self._senders = senders
@@ -44,7 +51,19 @@ class ScriptBatcher:
         self._closed = False
         # fakeredis has no wire: it takes commands through redis-py's pipeline
         self._direct = not type(redis).__module__.startswith("fakeredis")
-        self._cluster = ClusterSender(redis, self._in_flight) if is_cluster(redis) else None
+        self._reload = reload or self.load
+        self._cluster = ClusterSender(redis, self._in_flight, self._reload) if is_cluster(redis) else None
+
+    async def load(self, missing: Sequence[Script]) -> None:
+        """Load what the server lost. On one server every script at once, in a MULTI: a group
+        whose later script came back before its earlier one would run out of order (see
+        Scripts.load_all). On a cluster the missing ones, on every primary (its calls go in
+        waves anyway, see cluster.py)."""
+        if self._cluster is None:
+            await self._scripts.load_all(self._redis)
+            return
+        for script in missing:
+            await self._redis.script_load(script.source)
 
     @property
     def redirects(self) -> Counter[str]:
@@ -133,9 +152,7 @@ class ScriptBatcher:
             for _ in range(NOSCRIPT_ROUNDS):  # the cache may be flushed again between load and retry
                 if not missing:
                     break
-                # every script at once, never one by one: a group whose later script came back
-                # before its earlier one would run out of order (see Scripts.load_all)
-                await self._scripts.load_all(self._redis)
+                await self._reload([call.script for call in missing])
                 retried = dict(zip(map(id, missing), await self._execute(missing), strict=True))
                 replies = [retried.get(id(c), r) for c, r in zip(batch, replies, strict=True)]
                 missing = [c for c in missing if no_script(retried[id(c)])]

@@ -28,7 +28,7 @@ from .plainreads import load_rows, refuses_scripts, status_reply
 from .policies import HandoffPolicy
 from .records import Loaded, loaded_from_row, record_from_hash
 from .routing import Router
-from .scripts import Scripts
+from .scripts import Script, Scripts
 from .signing import Keyring
 from .stats import StatsFlusher, Tally
 from .sweeper import Sweeper
@@ -88,6 +88,9 @@ def _blocking_client(redis: Any) -> Any:
 
 log = logging.getLogger("handoffbus")
 MIN_SERVER_VERSION = (7, 0)
+#: how long an isolated agent's calls that met NOSCRIPT wait before they are sent again
+#: (five times, see batching.py; the forwarder loads missing scripts every `discover` seconds)
+SCRIPT_WAIT = 1.0
 
 
 class HandoffBus:
@@ -225,12 +228,16 @@ class HandoffBus:
             await self._check_server()
             self._blocking = _blocking_client(self.redis)
             stack.push_async_callback(self._close_blocking)  # after the task group: its readers end first
-            try:
-                await self.scripts.load_all(self.redis)
-            except NoPermissionError:  # a read-only user, like acl.py's monitor: it reads plainly
-                self.plain_reads = True
+            reload = None
+            if self._outbox is not None:
+                reload = self._wait_for_scripts  # an isolated agent's user may not load scripts
+            else:
+                try:
+                    await self.scripts.load_all(self.redis)
+                except NoPermissionError:  # a read-only user, like acl.py's monitor: it reads plainly
+                    self.plain_reads = True
             self._tg = await stack.enter_async_context(anyio.create_task_group())
-            self._batcher = ScriptBatcher(self.redis, self.scripts)
+            self._batcher = ScriptBatcher(self.redis, self.scripts, reload=reload)
             await self._tg.start(self._batcher.run)
             if self._outbox is not None:
                 await self._tg.start(self._outbox.start)  # the forwarder's bus sweeps, not this one
@@ -259,6 +266,13 @@ class HandoffBus:
             await self._stack.aclose()
         self._tg = self._stack = None
         self._readers.clear()
+
+    async def _wait_for_scripts(self, missing: Sequence[Script]) -> None:
+        """An isolated agent's calls that met NOSCRIPT wait for the forwarder to load the
+        scripts again (it checks every few seconds): the agent's user may not load any, or it
+        could load one that loops and stalls the server."""
+        log.info("%d script(s) not loaded; waiting %.1f s for the forwarder to load them", len(missing), SCRIPT_WAIT)
+        await anyio.sleep(SCRIPT_WAIT)
 
     @property
     def blocking_redis(self) -> Any:

@@ -22,6 +22,7 @@ import logging
 import time
 import weakref
 from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -125,9 +126,11 @@ class ClusterSender:
     ``ScriptBatcher``. Calls still waiting out a migration stay in the batcher's ``in_flight``
     until answered, so that closing the bus fails them too."""
 
-    def __init__(self, redis: Any, in_flight: set[ScriptCall]) -> None:
+    def __init__(self, redis: Any, in_flight: set[ScriptCall],
+                 reload: Callable[[Sequence[Script]], Awaitable[None]]) -> None:
         self._redis = redis
         self._in_flight = in_flight
+        self._reload = reload  # what brings back scripts a node lost (the batcher's)
         #: calls answered TRYAGAIN and the runs they hold up, sent again by one task
         self._parked: list[ScriptCall] = []
         self._parked_runs: list[Run] = []
@@ -252,8 +255,7 @@ class ClusterSender:
                 retry.append(call)
         if missing:
             try:
-                for script in missing.values():
-                    await self._redis.script_load(script.source)  # on every primary
+                await self._reload(list(missing.values()))
             except (RedisError, OSError) as exc:
                 for call in again:
                     if call.script.name in missing:

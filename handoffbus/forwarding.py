@@ -26,7 +26,7 @@ import contextlib
 import logging
 import re
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -38,7 +38,7 @@ from .backoff import Backoff
 from .config import MAX_PRIORITY
 from .errors import CallRefused, ForwarderUnavailable, HandoffbusError
 from .models import WorkerInfo
-from .names import check_name, split_handoff_id
+from .names import check_name, check_names, split_handoff_id
 from .records import text
 from .routing import Directory, Reroute, serves, set_id
 
@@ -136,9 +136,18 @@ def _error(value: Any) -> Exception:
 class Forwarder:
     """The trusted side: reads every isolated agent's outbox, checks each call, runs it."""
 
-    def __init__(self, bus: HandoffBus, agents: Iterable[str] = (), *, discover: float = 2.0) -> None:
+    def __init__(self, bus: HandoffBus, agents: Iterable[str] = (), *, discover: float = 2.0,
+                 grants: Mapping[str, Iterable[str]] | None = None) -> None:
+        """``grants``: agent -> the capabilities the operator grants it. With grants, an agent
+        is routed only what it both claims (its workers register) and was granted, and an
+        agent without a grant none; without, what its workers claim (self-asserted)."""
         self._bus = bus
         self._agents = {check_name(a, "agent id") for a in agents}
+        if grants is not None:
+            bus.router.directory.grants = {
+                check_name(agent, "agent id"): frozenset(check_names(caps, "capability"))
+                for agent, caps in grants.items()
+            }
         self._discover = discover
         self._serving: set[str] = set()
         #: calls run and refused, for operators and tests
@@ -160,6 +169,11 @@ class Forwarder:
                 for agent in sorted(found - self._serving):
                     self._serving.add(agent)
                     await tg.start(self._serve, agent)
+                try:
+                    if await bus.scripts.ensure_loaded(bus.redis):  # the agents may not load them
+                        log.warning("forwarder: the server had lost scripts; loaded them again")
+                except (RedisError, OSError) as exc:
+                    log.warning("forwarder: checking the script cache failed (%s)", exc)
                 if not started:
                     task_status.started()
                     started = True
@@ -352,9 +366,10 @@ class Forwarder:
         return sid
 
     async def _capabilities(self, agent: str) -> set[str]:
-        """What the agent's registered workers say it can do."""
+        """What the agent's registered workers say it can do, and it was granted (if grants are set)."""
         table = await self._bus.redis.hgetall(self._bus.keys.workers(agent))
-        return {c for raw in table.values() for c in _worker_info.decode(raw).capabilities}
+        claimed = {c for raw in table.values() for c in _worker_info.decode(raw).capabilities}
+        return self._bus.router.directory.granted(agent, claimed)
 
 
 def _priority(value: Any) -> bool:

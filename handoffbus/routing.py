@@ -19,7 +19,7 @@ import hashlib
 import logging
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
@@ -97,6 +97,9 @@ class Directory:
         self._bus = bus
         self._agents: list[AgentInfo] = []
         self._at = float("-inf")
+        #: agent -> the capabilities an operator granted it (the forwarder's, see forwarding.py):
+        #: when set, an agent can do only what it both claims and was granted
+        self.grants: Mapping[str, frozenset[str]] | None = None
 
     async def agents(self, max_age: float = 1.0) -> list[AgentInfo]:
         if time.monotonic() - self._at > max_age:
@@ -137,10 +140,14 @@ class Directory:
             if gone:
                 await bus.redis.hdel(bus.keys.workers(agent), *gone)
             if workers:
-                caps = sorted({c for w in workers for c in w.capabilities})
+                caps = sorted(self.granted(agent, {c for w in workers for c in w.capabilities}))
                 found.append(AgentInfo(agent_id=agent, capabilities=caps,
                                        workers=sorted(workers, key=lambda w: w.consumer)))
         return found
+
+    def granted(self, agent: str, claimed: Iterable[str]) -> set[str]:
+        """What of ``claimed`` the agent may do: all of it, unless grants are set."""
+        return set(claimed) if self.grants is None else set(claimed) & self.grants.get(agent, frozenset())
 
     @staticmethod
     def capable(agents: Sequence[AgentInfo], canonical: str, exclude: Iterable[str] = ()) -> list[AgentInfo]:

@@ -125,6 +125,15 @@ class Scripts:
                 pipe.script_load(script.source)
             await pipe.execute()
 
+    async def ensure_loaded(self, redis: Any) -> bool:
+        """Load every script if the server (any primary of a cluster) lost one; True if it did.
+        The forwarder's job: isolated agents may not load scripts themselves."""
+        present = await redis.script_exists(*(script.sha for script in self))
+        if all(present):
+            return False
+        await self.load_all(redis)
+        return True
+
     request: Script
     accept: Script
     reject: Script

@@ -284,7 +284,8 @@ def test_a_worker_refuses_durations_that_would_break_it(cli: Cli, flag: str, val
 
 
 def test_bad_input_to_the_operator_commands_is_a_usage_error(cli: Cli) -> None:
-    bad = (("pending", "x", "--count", "-1"), ("pending", "x", "--idle", "-5"), ("dlq", "replay", "x", "garbage"))
+    bad = (("pending", "x", "--count", "-1"), ("pending", "x", "--idle", "-5"), ("dlq", "replay", "x", "garbage"),
+           ("forwarder", "--grant", "spec-b"), ("forwarder", "--grant", "spec-b="), ("forwarder", "--grant", "a=b{c}"))
     for args in bad:
         result = cli(*args)
         assert result.exit_code == 2 and "Traceback" not in result.output, (args, result.output)

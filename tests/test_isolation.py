@@ -52,7 +52,8 @@ class Setup:
 
 @asynccontextmanager
 async def isolated(real_backend: str, servers: dict, agents: tuple[str, ...] = AGENTS,
-                   forwarder_connections: int | None = None) -> AsyncIterator[Setup]:
+                   forwarder_connections: int | None = None,
+                   grants: dict[str, list[str]] | None = None) -> AsyncIterator[Setup]:
     """ACL users for the agents and the forwarder; a bus per agent, as its own user."""
     server = servers[real_backend]
     prefix = new_prefix()
@@ -69,7 +70,7 @@ async def isolated(real_backend: str, servers: dict, agents: tuple[str, ...] = A
         async with HandoffBus.connect(url(users["forwarder"]), prefix=prefix, sweep_interval=0.05,
                                       max_connections=forwarder_connections) as trusted, \
                 anyio.create_task_group() as tg:
-            forwarder = Forwarder(trusted, agents)
+            forwarder = Forwarder(trusted, agents, grants=grants)
             await tg.start(forwarder.run)
             async with contextlib.AsyncExitStack() as stack:
                 buses = {a: await stack.enter_async_context(
@@ -121,6 +122,23 @@ async def test_a_forwarder_serves_more_agents_than_its_pool_has_connections(real
                 handle = await setup.buses[name].client(name).request_handoff(req(name, "echo-1"))
                 assert (await handle.outcome()).status is HandoffStatus.COMPLETED
         worker.drain()
+
+
+async def test_isolated_agents_carry_on_after_the_script_cache_is_flushed(real_backend: str, servers: dict) -> None:
+    """An agent's user may not load scripts (one that loops would stall the server): after the
+    server loses them, its calls wait for the forwarder to load them again, and carry on."""
+    admin = aioredis.Redis.from_url(servers[real_backend].url)
+    async with contextlib.aclosing(admin), isolated(real_backend, servers) as setup, \
+            anyio.create_task_group() as tg:
+        worker = Worker(setup.buses["echo-1"], Echo())
+        await tg.start(worker.run)
+        client = setup.buses["req"].client("req")
+        with anyio.fail_after(30):
+            first = await (await client.request_handoff(req("req", "echo-1"))).outcome()
+            await admin.script_flush()
+            second = await (await client.request_handoff(req("req", "echo-1"))).outcome()
+        worker.drain()
+    assert first.status is second.status is HandoffStatus.COMPLETED
 
 
 async def test_the_forwarder_refuses_calls_that_act_as_someone_else(real_backend: str, servers: dict) -> None:
@@ -262,6 +280,33 @@ async def test_routed_handoffs_between_isolated_agents(real_backend: str, server
     for chain in chains:  # offered to spec-a first or not, spec-b completes it; nobody is offered it twice
         assert chain[-1] == ("spec-b", "OFFERED") and chain[:-1] in ([], [("spec-a", "OFFERED"), ("spec-a", "REFUSED")])
     assert setup.forwarder.refused == 0
+
+
+async def test_a_forwarder_with_grants_routes_only_granted_capabilities(real_backend: str, servers: dict) -> None:
+    """An agent's workers register what it claims to do; with grants, the forwarder believes a
+    claim only if the operator granted it. mallory claims x, only spec-b was granted it: mallory
+    is not offered one routed handoff, and its pulls from x's set are refused."""
+    async with isolated(real_backend, servers, ("req", "spec-b", "mallory"), grants={"spec-b": ["x"]}) as setup:
+        client = setup.buses["req"].client("req")
+        routed_request = HandoffRequest(from_agent="req", to_agent="", capabilities_required=["x"], reason="r")
+        async with anyio.create_task_group() as tg:
+            claimer, granted = Worker(setup.buses["mallory"], Capable("mallory", refuse=False)), \
+                Worker(setup.buses["spec-b"], Capable("spec-b", refuse=False))
+            await tg.start(claimer.run)
+            await tg.start(granted.run)
+            live = {a.agent_id: a.capabilities for a in await setup.trusted.router.directory.of(["mallory", "spec-b"])}
+            handles = [await client.request_handoff(routed_request) for _ in range(10)]
+            with anyio.fail_after(20):
+                outcomes = [await h.outcome() for h in handles]
+            claimer.drain()
+            granted.drain()
+        chains = [[s.agent for s in (await h.status()).route] for h in handles]  # type: ignore[union-attr]
+        pull = ("pull", setup.trusted.keys.route(set_id("x")).as_list(), ["mallory", 1, 5000, 16])
+        [refused] = await setup.buses["mallory"].scripts_many([pull])
+    assert live == {"mallory": [], "spec-b": ["x"]}
+    assert isinstance(refused, CallRefused) and "does not serve" in str(refused)
+    assert [o.result for o in outcomes] == ["spec-b"] * 10
+    assert all(set(chain) == {"spec-b"} for chain in chains)
 
 
 async def test_isolated_agents_with_signed_handoffs(real_backend: str, servers: dict) -> None:

@@ -129,3 +129,30 @@ async def test_one_call_that_misses_the_script_cache_reloads_every_script(real_b
     await real_bus.redis.script_flush()
     await real_bus.client("a").get_handoff_status("a/nothing")  # one script call
     assert all(await real_bus.redis.script_exists(*[script.sha for script in real_bus.scripts]))
+
+
+async def test_the_doorbell_rings_when_work_lands_in_an_empty_queue(bus: HandoffBus) -> None:
+    """Workers block on the doorbell only after finding the queue empty: the first handoff
+    queued after that rings it, the ones queued behind it do not, and a requeue always does."""
+    bell = bus.keys.target("b").bell
+
+    async def last_ring() -> bytes | None:
+        found = await bus.redis.xrevrange(bell, count=1)
+        return found[0][0] if found else None
+
+    for i in range(3):
+        await bus.enqueue("b", f"a/r{i}", 0)
+        if i == 0:
+            first = await last_ring()
+            assert first is not None
+    assert await last_ring() == first  # queued behind r0: no ring
+    inbox = Inbox(bus, "b", "w1")
+    seen, taken = await inbox.take(10)
+    assert seen == first and [d.handoff_id for d in taken] == ["a/r0", "a/r1", "a/r2"]
+    await bus.enqueue("b", "a/r3", 0)
+    rung = await last_ring()
+    assert rung is not None and rung != first  # the queue was empty again: it rings
+    with anyio.fail_after(5):
+        assert await inbox.wait(seen, 5000)  # a worker blocked after `seen` wakes
+    await inbox.requeue("a/r0", 0)  # queued behind r3, and rung all the same
+    assert await last_ring() not in (None, rung)

@@ -15,8 +15,9 @@ import typer
 
 from ..bus import HandoffBus
 from ..config import check_seconds
-from ..errors import HandoffbusError, InvalidRequest
+from ..errors import HandoffbusError, InvalidName, InvalidRequest
 from ..logs import FORMAT
+from ..names import check_name, check_names
 from ..workers import Agent, Worker
 from ..workers.runner import MIN_RECLAIM_IDLE, serve_until_signalled
 from .common import EXIT_FAILED, EXIT_OK, Options, Prefix, RedisUrl, open_bus, options, run, serve, usage_error
@@ -165,20 +166,37 @@ def forwarder(
     ctx: typer.Context,
     agents: Annotated[list[str] | None, typer.Argument(
         metavar="[AGENT]...", help="agents to serve at once (others are found by their outboxes)")] = None,
+    grant: Annotated[list[str] | None, typer.Option(
+        metavar="AGENT=CAP[,CAP...]", help="capabilities an agent may be routed by (repeatable); with any "
+        "given, an agent gets only what it claims and was granted, and one not named gets none")] = None,
     redis_url: RedisUrl = None, prefix: Prefix = None,
 ) -> None:
     """Carry handoffs between isolated agents (run it as the forwarder ACL user)."""
     opts = options(ctx, redis_url, prefix)
     opts.url("forwarder")
+    grants: dict[str, list[str]] | None = None
+    if grant:
+        grants = {}
+        for item in grant:
+            agent, sep, caps = item.partition("=")
+            names = [c for c in caps.split(",") if c]
+            if not sep or not agent or not names:
+                usage_error(f"--grant takes AGENT=CAP[,CAP...], not {item!r}")
+            try:
+                check_name(agent, "agent id")
+                check_names(names, "capability")
+            except InvalidName as exc:
+                usage_error(str(exc))
+            grants.setdefault(agent, []).extend(names)
     _logging()
-    serve(_forwarder, opts, agents or [])
+    serve(_forwarder, opts, agents or [], grants)
 
 
-async def _forwarder(opts: Options, agents: list[str]) -> int:
+async def _forwarder(opts: Options, agents: list[str], grants: dict[str, list[str]] | None) -> int:
     from ..forwarding import Forwarder
 
     async with open_bus(opts, "forwarder") as bus, anyio.create_task_group() as tg:
-        await tg.start(Forwarder(bus, agents).run)
+        await tg.start(Forwarder(bus, agents, grants=grants).run)
         print(f"forwarder serving prefix {opts.prefix}", flush=True)
         await _signalled()  # nothing is held: an unanswered outbox entry is answered by the next forwarder
         tg.cancel_scope.cancel()

@@ -28,7 +28,15 @@ from .. import tracing
 from ..backoff import Backoff
 from ..client import rejection_fields
 from ..config import check_seconds
-from ..errors import HandoffbusError, InvalidRequest, InvalidTransition, LeaseLost, NotPermitted, raise_for_code
+from ..errors import (
+    CallRefused,
+    HandoffbusError,
+    InvalidRequest,
+    InvalidTransition,
+    LeaseLost,
+    NotPermitted,
+    raise_for_code,
+)
 from ..keys import GROUP
 from ..logs import AgentLog
 from ..models import TERMINAL, HandoffRequest, HandoffStatus
@@ -406,9 +414,11 @@ class Worker:
             except (RedisError, OSError) as exc:
                 self._done = done + self._done  # settle them next time
                 carried = taken  # delivered to this consumer already: not left for a reclaim
-                # connection lost, server restarting, or a failover's UNBLOCKED/READONLY/LOADING
+                # connection lost, server restarting, or a failover's UNBLOCKED/READONLY/LOADING; or,
+                # isolated, the forwarder refused a call (a pull from a set it was not granted)
                 delay = backoff.delay()
-                self._log.warning("%s: Redis unavailable (%s); retrying in %.2fs", self.consumer, exc, delay)
+                what = "the forwarder refused a call" if isinstance(exc, CallRefused) else "Redis unavailable"
+                self._log.warning("%s: %s (%s); retrying in %.2fs", self.consumer, what, exc, delay)
                 await anyio.sleep(delay)
                 continue
             backoff.reset()
