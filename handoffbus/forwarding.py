@@ -138,16 +138,15 @@ class Forwarder:
 
     def __init__(self, bus: HandoffBus, agents: Iterable[str] = (), *, discover: float = 2.0,
                  grants: Mapping[str, Iterable[str]] | None = None) -> None:
-        """``grants``: agent -> the capabilities the operator grants it. With grants, an agent
-        is routed only what it both claims (its workers register) and was granted, and an
-        agent without a grant none; without, what its workers claim (self-asserted)."""
+        """``grants``: agent -> the capabilities the operator grants it, written to Redis
+        (``Keys.grants``, replacing what was there) when the forwarder starts, so that every
+        bus routes by them. With grants, an agent is routed only what it both claims (its
+        workers register) and was granted, and an agent without a grant nothing; with none
+        (that hash empty), what its workers claim. None leaves the hash as it is."""
         self._bus = bus
         self._agents = {check_name(a, "agent id") for a in agents}
-        if grants is not None:
-            bus.router.directory.grants = {
-                check_name(agent, "agent id"): frozenset(check_names(caps, "capability"))
-                for agent, caps in grants.items()
-            }
+        self._grants = None if grants is None else {
+            check_name(agent, "agent id"): check_names(caps, "capability") for agent, caps in grants.items()}
         self._discover = discover
         self._serving: set[str] = set()
         #: calls run and refused, for operators and tests
@@ -156,6 +155,12 @@ class Forwarder:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         bus = self._bus
+        if self._grants is not None:
+            async with bus.redis.pipeline(transaction=True) as pipe:  # never half written
+                pipe.delete(bus.keys.grants)
+                if self._grants:
+                    pipe.hset(bus.keys.grants, mapping={a: ",".join(caps) for a, caps in self._grants.items()})
+                await pipe.execute()
         async with anyio.create_task_group() as tg:
             started = False
             while True:
@@ -316,6 +321,10 @@ class Forwarder:
                     return f"{name} acting as {actor!r}"
                 if text(args[1]) != request_id or keys != bus.keys.record(requester, request_id).as_list():
                     return f"{name} on keys that are not {handoff_id!r}'s"
+                if name == "assign":  # taking a routed handoff: only by an agent that serves its set
+                    caps = text(await bus.redis.hget(keys[0], "caps") or b"")
+                    if not serves(await self._capabilities(sender), caps):
+                        return f"assign of {handoff_id!r}, whose capabilities {sender!r} does not serve"
                 return None
             if name == "load":
                 handoff_id = _handoff_of_record_key(bus, keys)
@@ -367,9 +376,16 @@ class Forwarder:
 
     async def _capabilities(self, agent: str) -> set[str]:
         """What the agent's registered workers say it can do, and it was granted (if grants are set)."""
-        table = await self._bus.redis.hgetall(self._bus.keys.workers(agent))
+        bus = self._bus
+        async with bus.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(bus.keys.workers(agent))
+            pipe.hget(bus.keys.grants, agent)
+            pipe.exists(bus.keys.grants)
+            table, granted, any_grants = await pipe.execute()
         claimed = {c for raw in table.values() for c in _worker_info.decode(raw).capabilities}
-        return self._bus.router.directory.granted(agent, claimed)
+        if not any_grants:
+            return claimed
+        return claimed & set(text(granted or b"").split(","))
 
 
 def _priority(value: Any) -> bool:

@@ -111,6 +111,12 @@ class Keys:
         """Hash of every capability set requests were routed by: set id -> capabilities (comma-separated)."""
         return f"{self.prefix}:routes"
 
+    @property
+    def grants(self) -> str:
+        """Hash agent -> the capabilities it may be routed by (comma-separated), written by the
+        forwarder; while it has any entry, an agent is routed only what it claims and was granted."""
+        return f"{self.prefix}:grants"
+
     def outbox(self, agent: str) -> str:
         """Stream of an isolated agent's calls outside its own slot, for the forwarder to run."""
         return f"{self.slot(agent)}outbox"

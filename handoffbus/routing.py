@@ -87,6 +87,13 @@ class Reroute(NamedTuple):
         return [a for a in self.refused.split(",") if a]
 
 
+def parse_grants(table: Mapping[bytes, bytes]) -> dict[str, frozenset[str]] | None:
+    """``Keys.grants`` as agent -> capabilities; None when it is empty (no grants: claims are believed)."""
+    if not table:
+        return None
+    return {agent.decode(): frozenset(c for c in caps.decode().split(",") if c) for agent, caps in table.items()}
+
+
 class Directory:
     """The live agents and what they can do, as their workers' registry entries say.
 
@@ -97,8 +104,8 @@ class Directory:
         self._bus = bus
         self._agents: list[AgentInfo] = []
         self._at = float("-inf")
-        #: agent -> the capabilities an operator granted it (the forwarder's, see forwarding.py):
-        #: when set, an agent can do only what it both claims and was granted
+        #: agent -> the capabilities an operator granted it (``Keys.grants``, which the
+        #: forwarder writes), as last read; None while that hash is empty: claims are believed
         self.grants: Mapping[str, frozenset[str]] | None = None
 
     async def agents(self, max_age: float = 1.0) -> list[AgentInfo]:
@@ -117,9 +124,11 @@ class Directory:
         if not agents:
             return []
         async with bus.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(bus.keys.grants)
             for agent in agents:
                 pipe.hgetall(bus.keys.workers(agent))
-            tables = await pipe.execute()
+            granted, *tables = await pipe.execute()
+        self.grants = parse_grants(granted)
         now = await bus.server_time_ms()
         found = []
         for agent, table in zip(agents, tables, strict=True):
@@ -137,7 +146,7 @@ class Directory:
                     workers.append(info)
                 elif info.beat_ms + 10 * ttl <= now:
                     gone.append(consumer)  # a worker that died long ago: forget it
-            if gone:
+            if gone and not bus.plain_reads:  # a read-only user (the monitor) leaves it to others
                 await bus.redis.hdel(bus.keys.workers(agent), *gone)
             if workers:
                 caps = sorted(self.granted(agent, {c for w in workers for c in w.capabilities}))

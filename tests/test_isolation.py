@@ -33,6 +33,7 @@ from handoffbus.acl import AclUser, agent_user, forwarder_user
 from handoffbus.forwarding import Forwarder
 from handoffbus.routing import set_id
 from handoffbus.workers import Accept, Agent, ReceivedHandoff, Reject
+from handoffbus.workers.routes import RouteFeed
 
 from .agents import Echo
 from .conftest import new_prefix
@@ -303,8 +304,22 @@ async def test_a_forwarder_with_grants_routes_only_granted_capabilities(real_bac
         chains = [[s.agent for s in (await h.status()).route] for h in handles]  # type: ignore[union-attr]
         pull = ("pull", setup.trusted.keys.route(set_id("x")).as_list(), ["mallory", 1, 5000, 16])
         [refused] = await setup.buses["mallory"].scripts_many([pull])
+        # nor may it take one whose id it learned (a ring, a guess): the offer is refused too
+        waiting = await client.request_handoff(routed_request)
+        [offer] = await setup.buses["mallory"].scripts_many([setup.buses["mallory"].router.assign_call(
+            waiting.handoff_id, "mallory", 0)])
+        record = await waiting.status()
+        # a worker of mallory's asks the forwarder once, then leaves the set alone for a while
+        feed = RouteFeed(setup.buses["mallory"], "mallory", ["x"], "mallory-w")
+        await feed.refresh()
+        assert await feed.pull(4) == []
+        asked = setup.forwarder.refused
+        assert await feed.pull(4) == [] and setup.forwarder.refused == asked
     assert live == {"mallory": [], "spec-b": ["x"]}
     assert isinstance(refused, CallRefused) and "does not serve" in str(refused)
+    assert isinstance(offer, CallRefused) and "does not serve" in str(offer)
+    assert record is not None and record.status is HandoffStatus.PENDING and "mallory" not in [
+        step.agent for step in record.route]
     assert [o.result for o in outcomes] == ["spec-b"] * 10
     assert all(set(chain) == {"spec-b"} for chain in chains)
 

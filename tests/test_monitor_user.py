@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import anyio
+import msgspec
 import pytest
 import redis
 
@@ -64,6 +65,9 @@ async def read_as_monitor(real_backend: str, servers: dict, prefix: str, url: st
         await admin.redis.hset(due_keys.record, "deadline", await admin.redis.hget(due_keys.record, "created"))
         await admin.redis.delete(due_keys.marker)
         ids = [first.handoff_id, second.handoff_id, due.handoff_id]
+        # a worker of bob's that died long ago: a bus that may write forgets it when it lists agents
+        await admin.redis.hset(admin.keys.workers("bob"), "gone-1", msgspec.json.encode({
+            "consumer": "gone-1", "state": "RUNNABLE", "load": 0, "limit": 1, "beat_ms": 1, "ttl_ms": 1000}))
         async with HandoffBus.connect(url, prefix=prefix) as monitor:
             seen = [await monitor.read_record(hid) for hid in ids]
             loaded = await monitor.load_records(ids)
@@ -79,6 +83,7 @@ async def read_as_monitor(real_backend: str, servers: dict, prefix: str, url: st
         assert [p.handoff_id for p in pending] == [first.handoff_id, second.handoff_id]
         assert loaded == await admin.load_records(ids)
         [view] = views
+        assert view.workers == 0 and await admin.redis.hexists(admin.keys.workers("bob"), "gone-1")  # left as it was
         [truth] = await observe_agents(admin, ["bob"])
         assert (view.queued, view.in_flight, view.counts) == (truth.queued, truth.in_flight, truth.counts) == (
             2, 1, truth.counts)

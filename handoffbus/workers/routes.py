@@ -10,9 +10,11 @@ the queue by themselves.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..errors import CallRefused
 from ..keys import GROUP
 from ..routing import Reroute, serves
 from .inbox import Delivery
@@ -22,10 +24,14 @@ if TYPE_CHECKING:
 
 __all__ = ["RouteFeed"]
 
+log = logging.getLogger("handoffbus")
+
 #: how many queued entries a pull looks at for ones this agent may take
 SCAN = 64
 #: look at the sets again at least this often (seconds), rung or not
 RELOOK = 1.0
+#: a set whose pulls the forwarder refused (this agent was not granted it) is left alone this long
+REFUSED_WAIT = 60.0
 
 
 class RouteFeed:
@@ -39,6 +45,7 @@ class RouteFeed:
         self._bell: bytes | None = None
         self._looked = float("-inf")
         self._turn = 0
+        self._refused: dict[str, float] = {}  # set id -> when to try a refused set again (monotonic)
 
     async def refresh(self) -> None:
         """Learn the capability sets requests were routed by, and keep those this agent serves."""
@@ -57,8 +64,8 @@ class RouteFeed:
     async def pull(self, count: int) -> list[Delivery]:
         """Take up to ``count`` routed handoffs into this worker's hands."""
         bus, config = self._bus, self._bus.config
-        self._looked = time.monotonic()
-        sids = sorted(self.sets)
+        self._looked = now = time.monotonic()
+        sids = sorted(sid for sid in self.sets if self._refused.get(sid, 0.0) <= now)
         if not sids or count <= 0:
             return []
         # share the free slots among the sets, starting with a different one each time
@@ -72,8 +79,16 @@ class RouteFeed:
         ])
         pulled: list[tuple[str, str, int]] = []  # (set id, handoff id, when it was chosen)
         for sid, reply in zip(asked, replies, strict=True):
+            if isinstance(reply, CallRefused):  # isolated, and not granted these capabilities
+                if sid not in self._refused:
+                    log.warning("%s: the forwarder refuses pulls from capability set %s (%s); trying it "
+                                "again every %.0f s", self.consumer, self.sets[sid], reply, REFUSED_WAIT)
+                self._refused[sid] = now + REFUSED_WAIT
+                self._waiting.discard(sid)
+                continue
             if isinstance(reply, BaseException):
                 raise reply
+            self._refused.pop(sid, None)
             if int(reply[0]) > 0:
                 self._waiting.add(sid)
             else:
