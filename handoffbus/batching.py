@@ -61,9 +61,8 @@ class ScriptBatcher:
         waves anyway, see cluster.py)."""
         if self._cluster is None:
             await self._scripts.load_all(self._redis)
-            return
-        for script in missing:
-            await self._redis.script_load(script.source)
+        else:
+            await self._scripts.load_some(self._redis, missing)
 
     @property
     def redirects(self) -> Counter[str]:

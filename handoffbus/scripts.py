@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -117,13 +117,17 @@ class Scripts:
         from .cluster import is_cluster
 
         if is_cluster(redis):
-            for script in self:
-                await redis.script_load(script.source)
+            await self.load_some(redis, self)
             return
         async with redis.pipeline(transaction=True) as pipe:
             for script in self:
                 pipe.script_load(script.source)
             await pipe.execute()
+
+    async def load_some(self, redis: Any, scripts: Iterable[Script]) -> None:
+        """SCRIPT LOAD these (on a cluster, redis-py sends each to every primary)."""
+        for script in scripts:
+            await redis.script_load(script.source)
 
     async def ensure_loaded(self, redis: Any) -> bool:
         """Load every script if the server (any primary of a cluster) lost one; True if it did.
