@@ -106,9 +106,10 @@ async def build_state(bus: HandoffBus, url: str) -> None:
     assert [h.decode() for h in pulled[2:]] == [f"{REQUESTER}/req-45"]
 
     # the target also runs isolated (forwarding.py): one read of req-42 through the forwarder
-    # leaves its outbox (answered, so empty) and its replies stream (one reply)
+    # leaves its outbox (answered, so empty) and its replies stream (one reply); the forwarder
+    # grants the target what its worker claims (hb:grants)
     async with anyio.create_task_group() as tg:
-        await tg.start(Forwarder(bus, [TARGET]).run)
+        await tg.start(Forwarder(bus, [TARGET], grants={TARGET: ["oauth"]}).run)
         async with HandoffBus.connect(url, isolated=TARGET) as isolated:
             keys = bus.keys.record(REQUESTER, "req-42")
             row = await isolated.script("load", [keys.record, keys.envelope], [])

@@ -44,7 +44,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "redis-layout.md"
 #: Every key suffix handoffbus/keys.py builds (the doc must explain each).
 SUFFIXES = ("h:", "e:", "p:", "deadlines", "responses", "queue", "inbox", "inflight", "seq", "bell", "dead",
             "workers", "w:", "agents", "requesters", "targets", "sweep-lease", "route", "rmeta", "rclaims", "rseq",
-            "routes", "outbox", "replies", "stats", "blob:")
+            "routes", "grants", "outbox", "replies", "stats", "blob:")
 
 
 # ---------------------------------------------------------------------- reading the doc
