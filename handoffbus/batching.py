@@ -16,7 +16,7 @@ On a Redis Cluster, ``cluster.py`` sends each batch (see there).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -24,17 +24,13 @@ from anyio.abc import TaskStatus
 
 from .cluster import ClusterSender, is_cluster
 from .errors import HandoffbusError
-from .scripts import Script, Scripts
+from .scripts import Reload, Script, Scripts
 from .wire import Group, ScriptCall, exchange, no_script
 
-__all__ = ["Reload", "ScriptBatcher"]
+__all__ = ["ScriptBatcher"]
 
 #: times a call that met NOSCRIPT is loaded and sent again before its error is returned
 NOSCRIPT_ROUNDS = 5
-
-
-#: what a batcher runs when calls met NOSCRIPT, before it sends them again: given the scripts missing
-Reload = Callable[[Sequence[Script]], Awaitable[None]]
 
 
 class ScriptBatcher:

@@ -24,7 +24,7 @@ from .forwarding import Outbox
 from .keys import GROUP, Keys
 from .models import HandoffRecord
 from .names import split_handoff_id
-from .plainreads import load_rows, refuses_scripts, status_reply
+from .plainreads import load_rows, refuses_scripts, server_time_ms, status_reply
 from .policies import HandoffPolicy
 from .records import Loaded, loaded_from_row, record_from_hash
 from .routing import Router
@@ -277,11 +277,8 @@ class HandoffBus:
     @property
     def blocking_redis(self) -> Any:
         """The client for blocking reads (XREAD BLOCK, XREADGROUP BLOCK): see _blocking_client."""
-        if self._blocking is None:
-            return self.redis
-        if self._closed:
-            raise HandoffbusError("the bus is closed")
-        return self._blocking
+        redis = self.redis  # refused once the bus is closed, like the main client
+        return redis if self._blocking is None else self._blocking
 
     async def _close_blocking(self) -> None:
         blocking, self._blocking = self._blocking, None
@@ -429,16 +426,8 @@ class HandoffBus:
         if not handoff_ids:
             return []
         keys = [self.keys.record(*split_handoff_id(handoff_id)) for handoff_id in handoff_ids]
-        rows: list[Any] | None = None
-        if not self.plain_reads:
-            rows = await self.scripts_many([("load", [k.record, k.envelope], []) for k in keys])
-            if self.refused_scripts(rows):
-                rows = None
-        if rows is None:
-            rows = await load_rows(self.redis, keys)
-        for row in rows:
-            if isinstance(row, BaseException):
-                raise row
+        rows = await self.read_scripts([("load", [k.record, k.envelope], []) for k in keys],
+                                       lambda: load_rows(self.redis, keys))
         return [loaded_from_row(row, self.codec, self.keyring) for row in rows]
 
     async def read_record(self, handoff_id: str) -> tuple[int, bytes, HandoffRecord] | None:
@@ -446,17 +435,13 @@ class HandoffBus:
         (not when this bus's user may only read: see plainreads.py)."""
         requester, request_id = split_handoff_id(handoff_id)
         keys = self.keys.record(requester, request_id)
-        reply: Any = None
-        if not self.plain_reads:
-            [reply] = await self.scripts_many([
-                ("status", keys.as_list(), [request_id, self.config.retention_ms, self.config.response_retention_ms]),
-            ])
-            if self.refused_scripts([reply]):
-                reply = None
-            elif isinstance(reply, BaseException):
-                raise reply
-        if reply is None:
-            reply = await status_reply(self.redis, keys)
+
+        async def plain() -> list[Any]:
+            return [await status_reply(self.redis, keys)]
+
+        [reply] = await self.read_scripts(
+            [("status", keys.as_list(), [request_id, self.config.retention_ms, self.config.response_retention_ms])],
+            plain)
         if reply[0] == -1:
             return None
         fields = dict(zip(reply[3::2], reply[4::2], strict=True))
@@ -464,17 +449,26 @@ class HandoffBus:
             await self.settle_expired({fields[b"to"].decode(): [handoff_id]})  # this read expired it
         return int(reply[0]), reply[1], record_from_hash(fields, self.codec, self.keyring)
 
-    def refused_scripts(self, replies: Sequence[Any]) -> bool:
-        """Whether the server refused this user EVALSHA itself (then reads go plain from now on;
-        a key it may not reach is refused to plain reads as well). An isolated agent's reads of
-        its peers go through the forwarder: never plain."""
-        if self._outbox is None and any(map(refuses_scripts, replies)):
-            self.plain_reads = True
-        return self.plain_reads
+    async def read_scripts(
+        self, calls: list[tuple[str, list[str], list[Any]]], plain: Callable[[], Awaitable[list[Any]]]
+    ) -> list[Any]:
+        """The replies of read scripts (the first error raised), or, once the server refused this
+        user EVALSHA itself, what ``plain`` reads with plain commands (plainreads.py): from then
+        on this bus reads plainly. A key it may not reach is refused to plain reads as well, and
+        an isolated agent's reads of its peers go through the forwarder: never plain."""
+        if not self.plain_reads:
+            replies = await self.scripts_many(calls)
+            if self._outbox is None and any(map(refuses_scripts, replies)):
+                self.plain_reads = True
+            else:
+                for reply in replies:
+                    if isinstance(reply, BaseException):
+                        raise reply
+                return replies
+        return await plain()
 
     async def server_time_ms(self) -> int:
-        seconds, micros = await self.redis.time()
-        return int(seconds) * 1000 + int(micros) // 1000
+        return await server_time_ms(self.redis)
 
     async def clear(self, *, confirm: str) -> int:
         if confirm != self.config.prefix:

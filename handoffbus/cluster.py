@@ -22,14 +22,13 @@ import logging
 import time
 import weakref
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
 from redis.exceptions import AskError, MaxConnectionsError, MovedError, RedisError, TryAgainError
 
 from .errors import HandoffbusError
-from .scripts import Script
+from .scripts import Reload, Script
 from .wire import ScriptCall, exchange, no_script
 
 __all__ = ["ClusterSender", "is_cluster"]
@@ -126,8 +125,7 @@ class ClusterSender:
     ``ScriptBatcher``. Calls still waiting out a migration stay in the batcher's ``in_flight``
     until answered, so that closing the bus fails them too."""
 
-    def __init__(self, redis: Any, in_flight: set[ScriptCall],
-                 reload: Callable[[Sequence[Script]], Awaitable[None]]) -> None:
+    def __init__(self, redis: Any, in_flight: set[ScriptCall], reload: Reload) -> None:
         self._redis = redis
         self._in_flight = in_flight
         self._reload = reload  # what brings back scripts a node lost (the batcher's)

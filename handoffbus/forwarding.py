@@ -40,7 +40,7 @@ from .errors import CallRefused, ForwarderUnavailable, HandoffbusError
 from .models import WorkerInfo
 from .names import check_name, check_names, split_handoff_id
 from .records import text
-from .routing import Directory, Reroute, serves, set_id
+from .routing import Directory, Reroute, granted, serves, set_id
 
 if TYPE_CHECKING:
     from .bus import HandoffBus
@@ -379,13 +379,9 @@ class Forwarder:
         bus = self._bus
         async with bus.redis.pipeline(transaction=False) as pipe:
             pipe.hgetall(bus.keys.workers(agent))
-            pipe.hget(bus.keys.grants, agent)
-            pipe.exists(bus.keys.grants)
-            table, granted, any_grants = await pipe.execute()
-        claimed = {c for raw in table.values() for c in _worker_info.decode(raw).capabilities}
-        if not any_grants:
-            return claimed
-        return claimed & set(text(granted or b"").split(","))
+            pipe.hgetall(bus.keys.grants)
+            table, grants = await pipe.execute()
+        return granted(grants, agent, {c for raw in table.values() for c in _worker_info.decode(raw).capabilities})
 
 
 def _priority(value: Any) -> bool:

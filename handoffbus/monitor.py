@@ -66,19 +66,11 @@ async def observe_agents(bus: HandoffBus, agents: Sequence[str] | None = None) -
     if not names:
         return []
     keys = bus.keys
-    replies: list[Any] | None = None
-    if not bus.plain_reads:
-        replies = await bus.scripts_many([
-            ("observe", [*keys.target(name).as_list(), keys.stats(name)], [BANDS]) for name in names
-        ])
-        if bus.refused_scripts(replies):  # a read-only user: the same, with plain commands
-            replies = None
-    if replies is None:
-        replies = await observe_replies(bus.redis, [(keys.target(name), keys.stats(name)) for name in names], BANDS)
+    replies = await bus.read_scripts(
+        [("observe", [*keys.target(name).as_list(), keys.stats(name)], [BANDS]) for name in names],
+        lambda: observe_replies(bus.redis, [(keys.target(name), keys.stats(name)) for name in names], BANDS))
     heads: list[tuple[int, str]] = []  # (agent index, handoff id) of every band head
     for i, reply in enumerate(replies):
-        if isinstance(reply, BaseException):
-            raise reply
         heads += [(i, text(hid)) for hid in reply[5][::2]]
     created = await _created_times(bus, [hid for _, hid in heads])
     oldest: dict[int, int] = {}

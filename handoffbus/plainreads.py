@@ -19,7 +19,7 @@ from redis.exceptions import NoPermissionError
 
 from .keys import RecordKeys, TargetKeys
 
-__all__ = ["LOAD_FIELDS", "load_rows", "observe_replies", "refuses_scripts", "status_reply"]
+__all__ = ["LOAD_FIELDS", "load_rows", "observe_replies", "refuses_scripts", "server_time_ms", "status_reply"]
 
 #: a queue score is priority * 2^42 + sequence (see lua/enqueue-5.lua)
 BAND_SIZE = 1 << 42
@@ -35,8 +35,9 @@ def refuses_scripts(reply: object) -> bool:
     return isinstance(reply, NoPermissionError) and "'evalsha'" in str(reply).lower()
 
 
-async def _now_ms(redis: Any) -> int:
-    """The server's time (a node's, on a cluster: a cluster pipeline takes no TIME)."""
+async def server_time_ms(redis: Any) -> int:
+    """The server's time in ms (a node's, on a cluster: a cluster pipeline takes no TIME, so
+    the plain reads ask for it on its own)."""
     seconds, micros = await redis.time()
     return int(seconds) * 1000 + int(micros) // 1000
 
@@ -51,7 +52,7 @@ async def status_reply(redis: Any, keys: RecordKeys) -> list[Any]:
         fields, envelope, last = await pipe.execute()
     if not fields:
         return [-1]
-    out: list[Any] = [await _now_ms(redis), last[0][0] if last else b"0-0", 0]
+    out: list[Any] = [await server_time_ms(redis), last[0][0] if last else b"0-0", 0]
     for name, value in fields.items():
         out += (name, value)
     if envelope is not None:  # else a record written before the envelope had its own key carries `env`
@@ -66,7 +67,7 @@ async def load_rows(redis: Any, keys: Sequence[RecordKeys]) -> list[list[Any]]:
             pipe.hmget(record_keys.record, LOAD_FIELDS)
             pipe.get(record_keys.envelope)
         replies = await pipe.execute()
-    now_ms = await _now_ms(redis)
+    now_ms = await server_time_ms(redis)
     rows = []
     for i in range(len(keys)):
         row, envelope = list(replies[2 * i]), replies[2 * i + 1]
@@ -87,7 +88,7 @@ async def observe_replies(redis: Any, agents: Sequence[tuple[TargetKeys, str]], 
             pipe.xrange(target.inbox, count=1)
             pipe.hgetall(stats)
         replies = await pipe.execute()
-    now_ms = await _now_ms(redis)
+    now_ms = await server_time_ms(redis)
     out: list[list[Any]] = []
     for i in range(len(agents)):
         queued, inflight, first, stats = replies[4 * i:4 * i + 4]

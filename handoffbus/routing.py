@@ -87,11 +87,12 @@ class Reroute(NamedTuple):
         return [a for a in self.refused.split(",") if a]
 
 
-def parse_grants(table: Mapping[bytes, bytes]) -> dict[str, frozenset[str]] | None:
-    """``Keys.grants`` as agent -> capabilities; None when it is empty (no grants: claims are believed)."""
-    if not table:
-        return None
-    return {agent.decode(): frozenset(c for c in caps.decode().split(",") if c) for agent, caps in table.items()}
+def granted(grants: Mapping[bytes, bytes], agent: str, claimed: Iterable[str]) -> set[str]:
+    """What of ``claimed`` the agent may be routed: all of it while ``Keys.grants`` (read as
+    ``grants``) is empty, else only what it was granted there."""
+    if not grants:
+        return set(claimed)
+    return set(claimed) & set((grants.get(agent.encode()) or b"").decode().split(","))
 
 
 class Directory:
@@ -104,9 +105,6 @@ class Directory:
         self._bus = bus
         self._agents: list[AgentInfo] = []
         self._at = float("-inf")
-        #: agent -> the capabilities an operator granted it (``Keys.grants``, which the
-        #: forwarder writes), as last read; None while that hash is empty: claims are believed
-        self.grants: Mapping[str, frozenset[str]] | None = None
 
     async def agents(self, max_age: float = 1.0) -> list[AgentInfo]:
         if time.monotonic() - self._at > max_age:
@@ -127,8 +125,7 @@ class Directory:
             pipe.hgetall(bus.keys.grants)
             for agent in agents:
                 pipe.hgetall(bus.keys.workers(agent))
-            granted, *tables = await pipe.execute()
-        self.grants = parse_grants(granted)
+            grants, *tables = await pipe.execute()
         now = await bus.server_time_ms()
         found = []
         for agent, table in zip(agents, tables, strict=True):
@@ -149,14 +146,10 @@ class Directory:
             if gone and not bus.plain_reads:  # a read-only user (the monitor) leaves it to others
                 await bus.redis.hdel(bus.keys.workers(agent), *gone)
             if workers:
-                caps = sorted(self.granted(agent, {c for w in workers for c in w.capabilities}))
+                caps = sorted(granted(grants, agent, {c for w in workers for c in w.capabilities}))
                 found.append(AgentInfo(agent_id=agent, capabilities=caps,
                                        workers=sorted(workers, key=lambda w: w.consumer)))
         return found
-
-    def granted(self, agent: str, claimed: Iterable[str]) -> set[str]:
-        """What of ``claimed`` the agent may do: all of it, unless grants are set."""
-        return set(claimed) if self.grants is None else set(claimed) & self.grants.get(agent, frozenset())
 
     @staticmethod
     def capable(agents: Sequence[AgentInfo], canonical: str, exclude: Iterable[str] = ()) -> list[AgentInfo]:

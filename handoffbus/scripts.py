@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from functools import cache
 from importlib import resources
 from typing import Any
 
-__all__ = ["SCRIPT_NAMES", "Script", "Scripts", "script_source"]
+__all__ = ["SCRIPT_NAMES", "Reload", "Script", "Scripts", "script_source"]
 
 SCRIPT_NAMES = (
     "request",
@@ -90,6 +90,11 @@ class Script:
         self.source = script_source(name)
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
+
+
+#: what brings back scripts the server lost, before calls that met NOSCRIPT go again (the
+#: batcher's own loading, or an isolated agent's wait for its forwarder): given the missing ones
+Reload = Callable[[Sequence[Script]], Awaitable[None]]
 
 class Scripts:
     """Every script, as attributes: ``scripts.accept.sha``. Calls go through ``HandoffBus.script``."""
