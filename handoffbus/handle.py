@@ -50,8 +50,7 @@ class HandoffHandle:
             wait = _SAFETY_REFRESH
             if waiter.deadline_at is not None:
                 wait = min(wait, max(waiter.deadline_at - anyio.current_time(), 0) + _DEADLINE_GRACE)
-            with anyio.move_on_after(wait):
-                await waiter.wait_decided()
+            await waiter.wait_decided(wait)
             if waiter.decision is None:
                 # at or past the deadline the status script itself makes the handoff EXPIRED
                 await self._client._reread(waiter)
@@ -64,8 +63,7 @@ class HandoffHandle:
             return decision
         waiter = self._waiter
         while waiter.outcome is None:
-            with anyio.move_on_after(_SAFETY_REFRESH):
-                await waiter.wait_finished()
+            await waiter.wait_finished(_SAFETY_REFRESH)
             if waiter.outcome is None:
                 await self._client._reread(waiter)
         return waiter.outcome

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from functools import lru_cache
 
 from .errors import InvalidName
 
@@ -44,7 +45,14 @@ def join_handoff_id(from_agent: str, request_id: str) -> str:
 
 def split_handoff_id(handoff_id: object) -> tuple[str, str]:
     """Split a handoff id into (requester agent id, request id), validating both."""
-    if not isinstance(handoff_id, str) or handoff_id.count("/") != 1:
+    if not isinstance(handoff_id, str):
+        raise InvalidName(f"invalid handoff id {handoff_id!r}: expected '<from_agent>/<request_id>'")
+    return _split(handoff_id)
+
+
+@lru_cache(maxsize=4096)  # a handoff's id is split several times on its way (request, load, each transition)
+def _split(handoff_id: str) -> tuple[str, str]:
+    if handoff_id.count("/") != 1:
         raise InvalidName(f"invalid handoff id {handoff_id!r}: expected '<from_agent>/<request_id>'")
     agent, _, request_id = handoff_id.partition("/")
     return check_name(agent, "agent id"), check_name(request_id, "request id")

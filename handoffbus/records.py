@@ -19,6 +19,8 @@ __all__ = ["RESPONSE_FIELDS", "Loaded", "loaded_from_row", "record_from_hash", "
 RESPONSE_FIELDS = (b"status", b"actor", b"ts", b"agent", b"reason", b"code", b"retry", b"redirect",
                    b"result", b"error", b"rmeta", b"sig")
 _ACCEPTED_LIKE = {HandoffStatus.ACCEPTED, HandoffStatus.COMPLETED, HandoffStatus.FAILED}
+#: a status as Redis holds it (a lookup costs a fraction of HandoffStatus(raw.decode()))
+_STATUS = {status.value.encode(): status for status in HandoffStatus}
 _history_decoder = msgspec.json.Decoder(list[HistoryEntry])
 _route_decoder = msgspec.json.Decoder(tuple[RouteStep, ...])
 
@@ -43,7 +45,7 @@ def response_from_fields(
         raw_status = f.get(b"status")
         if raw_status is None:  # absent, or a Lua false in a script reply
             raise DecodeError(f"malformed response for {handoff_id!r}: no status")
-        status = HandoffStatus(raw_status.decode())
+        status = _STATUS[raw_status]
         retry = f.get(b"retry")
         result, meta = f.get(b"result"), f.get(b"rmeta")
         return HandoffResponse(

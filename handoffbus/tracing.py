@@ -19,6 +19,7 @@ configured, every function here does nothing.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -35,10 +36,21 @@ except ImportError:  # pragma: no cover - the extra is not installed
     trace = None
 
 
+#: a provider named by the environment is loaded by the API on first use (read once: the
+#: API's own check reads the environment on every call, several times per handoff)
+_PROVIDER_FROM_ENV = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
+_UNKNOWN = object()
+
+
 def active() -> bool:
     """Whether spans are recorded at all: an SDK's tracer provider was set. Until then the API
     only hands out no-op spans, and skipping them saves ~10 µs a span on the hot path."""
-    return trace is not None and not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    if trace is None:
+        return False
+    # the API's global, set by set_tracer_provider; should it ever move, ask the API
+    if getattr(trace, "_TRACER_PROVIDER", _UNKNOWN) is None and not _PROVIDER_FROM_ENV:
+        return False
+    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
 
 
 def _attributes(operation: str, destination: str, handoff_id: str, **more: Any) -> dict[str, Any]:

@@ -7,10 +7,15 @@ from typing import Any
 
 import anyio
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from redis._parsers.encoders import Encoder
+from redis.connection import PythonRespSerializer
 from redis.crc import key_slot
 
 from handoffbus import HandoffBus, HandoffStatus
-from handoffbus.scripts import SCRIPT_NAMES, _files, key_count, script_source
+from handoffbus.scripts import SCRIPT_NAMES, Scripts, _files, key_count, script_source
+from handoffbus.wire import Group, ScriptCall, pack_evalsha
 from handoffbus.workers.inbox import Inbox
 
 from .helpers import req
@@ -33,6 +38,23 @@ def test_every_script_has_a_header_matching_its_keys(name: str) -> None:
 
 def test_every_script_file_is_registered() -> None:
     assert set(_files()) == set(SCRIPT_NAMES)
+
+
+@given(keys=st.lists(st.text(min_size=1), max_size=5),
+       args=st.lists(st.text() | st.binary() | st.integers(-(2**70), 2**70), max_size=12))
+def test_an_evalsha_call_is_packed_as_redis_py_packs_it(keys: list[str], args: list[Any]) -> None:
+    """Text of any script (non-ASCII included), bytes and big integers, framed byte for byte as
+    redis-py's own RESP serializer frames them."""
+    script = Scripts().accept
+    reference = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+    expected = b"".join(reference.pack("EVALSHA", script.sha, len(keys), *keys, *args))
+    assert pack_evalsha(ScriptCall(script, keys, args, Group(1))) == expected
+
+
+@pytest.mark.parametrize("bad", [None, True, bytearray(b"x"), {"a": 1}])
+def test_an_argument_redis_cannot_carry_is_refused(bad: Any) -> None:
+    with pytest.raises(TypeError):
+        pack_evalsha(ScriptCall(Scripts().accept, ["k"], ["a", bad], Group(1)))
 
 
 async def test_every_call_stays_in_one_hash_slot(bus: HandoffBus) -> None:
