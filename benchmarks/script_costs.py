@@ -1,6 +1,6 @@
 """Server time per step of a direct handoff: what each script costs Redis.
 
-    python benchmarks/script_costs.py [--url URL] [--n 5000] [--payload 1024]
+    python benchmarks/script_costs.py [--url URL] [--n 5000] [--payload 1024] [--callgrind]
                                       [--json benchmarks/results/script_costs.json]
 
 Runs the steps of ``--n`` direct handoffs one phase at a time, each through the library's own
@@ -14,6 +14,12 @@ EVALSHA time (the whole script: its Lua and the commands it runs), the commands'
 and what is left, which is the Lua and the cost of each ``redis.call``; per handoff, the
 server's CPU, sockets included. ``SLOWLOG`` is not used: logging every call adds its own cost
 to each. The server should be otherwise idle: its counters are server-wide.
+
+``--callgrind`` runs the embedded server under valgrind's callgrind and adds the instructions
+the server executed in each phase, per script call. Timings move with whatever else the host
+runs; instruction counts repeat to within about 1% (the same binary, the same calls), so a
+change to a script can be judged on one run. The server runs tens of times slower: use a
+small ``--n`` (500 by default there).
 """
 
 from __future__ import annotations
@@ -21,8 +27,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -42,6 +52,7 @@ from bench_core import (
 )
 
 from handoffbus import EmbeddedServer, HandoffBus, HandoffRequest
+from handoffbus.embedded import find_server_binary
 from handoffbus.workers.inbox import Inbox
 
 #: commands that are not the scripts' own (the requester's response reader, the readings)
@@ -58,16 +69,55 @@ async def in_windows(items: Sequence[Any], step: Callable[[Any], Coroutine[Any, 
                 tg.start_soon(step, item)
 
 
+class Callgrind:
+    """A server run under callgrind: its instruction count between two points of a run."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.pid = 0
+
+    def server(self) -> EmbeddedServer:
+        """An embedded server whose binary is a wrapper that execs it under callgrind."""
+        wrapper = self.directory / "server-under-callgrind"
+        out = self.directory / "callgrind.out"
+        wrapper.write_text(f'#!/bin/sh\nexec valgrind --tool=callgrind --callgrind-out-file={out} '
+                           f'{find_server_binary()} "$@"\n')
+        wrapper.chmod(0o755)
+        return EmbeddedServer(binary=str(wrapper))
+
+    def _control(self, option: str) -> None:
+        subprocess.run(["callgrind_control", option, str(self.pid)], check=True, capture_output=True)
+
+    def zero(self) -> None:
+        self._control("-z")
+
+    def instructions(self) -> int:
+        """Instructions since the last zero: callgrind writes them to a new numbered dump."""
+        before = set(self.directory.glob("callgrind.out.*"))
+        self._control("-d")
+        [dump] = set(self.directory.glob("callgrind.out.*")) - before
+        for line in dump.read_text().splitlines():
+            if line.startswith(("summary:", "totals:")):
+                return int(line.split()[1])
+        raise RuntimeError(f"no instruction total in {dump}")
+
+
 async def phase(
-    stats: aioredis.Redis, name: str, handoffs: int, body: Callable[[], Awaitable[None]]
+    stats: aioredis.Redis, name: str, handoffs: int, body: Callable[[], Awaitable[None]],
+    callgrind: Callgrind | None = None,
 ) -> dict[str, Any]:
     (calls0, usec0), cpu0 = await commandstats(stats), await server_cpu(stats)
+    if callgrind is not None:
+        callgrind.zero()
     await body()
+    instructions = callgrind.instructions() if callgrind is not None else None
     (calls1, usec1), cpu1 = await commandstats(stats), await server_cpu(stats)
     calls, usec = delta(calls1, calls0), delta(usec1, usec0)
     evalsha = calls.get("EVALSHA", 0)
     inner = sum(v for k, v in usec.items() if k not in _OUTSIDE)
     return {
+        **({} if instructions is None else {"instructions_per_call": round(instructions / max(evalsha, 1)),
+                                            "instructions_per_handoff": round(instructions / handoffs)}),
         "phase": name, "handoffs": handoffs, "evalsha_calls": evalsha,
         "evalsha_us_per_call": round(usec.get("EVALSHA", 0) / max(evalsha, 1), 2),
         "commands_us_per_call": round(inner / max(evalsha, 1), 2),
@@ -80,8 +130,20 @@ async def phase(
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     n, context = args.n, padded_context(args.payload)
     prefix = f"costs{os.getpid()}"
-    async with EmbeddedServer() if args.url is None else _nothing() as server:
+    with tempfile.TemporaryDirectory(prefix="handoffbus-callgrind-") as scratch:
+        callgrind = Callgrind(Path(scratch)) if args.callgrind else None
+        return await measure(args, n, context, prefix, callgrind)
+
+
+async def measure(
+    args: argparse.Namespace, n: int, context: bytes, prefix: str, callgrind: Callgrind | None
+) -> dict[str, Any]:
+    embedded = callgrind.server() if callgrind is not None else EmbeddedServer()
+    async with embedded if args.url is None else _nothing() as server:
         url = args.url if server is None else server.url
+        if callgrind is not None:
+            assert server is not None and server.process is not None
+            callgrind.pid = server.process.pid  # the wrapper execs valgrind: the same process
         async with contextlib.AsyncExitStack() as stack:
             stats = aioredis.Redis.from_url(url)
             stack.push_async_callback(stats.aclose)
@@ -123,15 +185,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await bus.clear(confirm=prefix)
             handles.clear()
             await bus.redis.config_resetstat()
+
+            async def phase_of(name: str, handoffs: int, body: Callable[[], Awaitable[None]]) -> dict[str, Any]:
+                return await phase(stats, name, handoffs, body, callgrind)
+
             phases = [
-                await phase(stats, "request_handoff (request + enqueue)", n, lambda: in_windows(range(n), request)),
-                await phase(stats, "enqueue alone", n, enqueue_alone),
-                await phase(stats, "take", n, take_all),
-                await phase(stats, "load", n, lambda: in_windows(range(0, n, WINDOW), load)),
-                await phase(stats, "accept", n, transition("accept", {"lease": CONSUMER})),
-                await phase(stats, "complete", n, transition(
+                await phase_of("request_handoff (request + enqueue)", n, lambda: in_windows(range(n), request)),
+                await phase_of("enqueue alone", n, enqueue_alone),
+                await phase_of("take", n, take_all),
+                await phase_of("load", n, lambda: in_windows(range(0, n, WINDOW), load)),
+                await phase_of("accept", n, transition("accept", {"lease": CONSUMER})),
+                await phase_of("complete", n, transition(
                     "complete", {"result": bus.codec.dumps_value({"ok": True}), "lease": CONSUMER})),
-                await phase(stats, "settle (in a take)", n, settle_all),
+                await phase_of("settle (in a take)", n, settle_all),
             ]
             server_desc = await server_info(stats)
     by_name = {p["phase"]: p for p in phases}
@@ -144,6 +210,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "environment": environment(server_desc),
         "phases": phases,
         "request_script_us": request_only,
+        "callgrind": bool(args.callgrind),
         "per_lifecycle": {
             "evalsha_us": round(sum(p["evalsha_us_per_handoff"] for p in lifecycle), 1),
             "server_cpu_us": round(sum(p["server_cpu_us_per_handoff"] for p in lifecycle), 1),
@@ -168,17 +235,34 @@ def render(result: dict[str, Any]) -> str:
               f"per lifecycle (every phase but 'enqueue alone'): EVALSHA {life['evalsha_us']:.1f} us, "
               f"server CPU {life['server_cpu_us']:.1f} us",
               "calls = script calls per handoff; the us columns are per call, but for us/handoff and server CPU"]
+    if result["callgrind"]:
+        lines += ["", f"{'server instructions (callgrind)':38}{'per call':>12}{'per handoff':>14}"]
+        lines += [f"{p['phase']:38}{p['instructions_per_call']:>12,}{p['instructions_per_handoff']:>14,}"
+                  for p in result["phases"]]
+        total = sum(p["instructions_per_handoff"] for p in result["phases"] if p["phase"] != "enqueue alone")
+        lines.append(f"{'per lifecycle':38}{'':>12}{total:>14,}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = benchmark_parser(__doc__)
-    parser.add_argument("--n", type=int, default=5000, help="handoffs (default 5000)")
+    parser.add_argument("--n", type=int, default=None, help="handoffs (default 5000; 500 with --callgrind)")
     parser.add_argument("--payload", type=int, default=1024, help="context bytes (default 1024)")
+    parser.add_argument("--callgrind", action="store_true",
+                        help="run the embedded server under callgrind and count its instructions per phase")
     parser.add_argument("--json", default="benchmarks/results/script_costs.json", help="where to write the results")
     args = parser.parse_args(argv)
+    if args.n is None:
+        args.n = 500 if args.callgrind else 5000
     if args.n <= 0 or args.payload < 0:
         parser.error("--n must be positive and --payload non-negative")
+    if args.callgrind:
+        if args.url is not None:
+            parser.error("--callgrind starts its own server: leave out --url")
+        missing = [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
+        if missing:
+            parser.error(f"--callgrind needs valgrind, and {', '.join(missing)} is not on PATH "
+                         "(Debian: apt-get install valgrind)")
     run_and_report(run, args, render)
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -85,3 +86,16 @@ def test_the_script_cost_breakdown_covers_every_step(tmp_path: Path) -> None:
     for p in phases.values():  # a script's time includes its commands' time
         assert p["evalsha_us_per_call"] >= p["commands_us_per_call"] > 0, p["phase"]
     assert result["per_lifecycle"]["evalsha_us"] > 0 and result["request_script_us"] > 0
+
+
+def test_the_script_costs_count_server_instructions_under_callgrind(tmp_path: Path) -> None:
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        done = subprocess.run([sys.executable, "benchmarks/script_costs.py", "--callgrind"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 2 and "needs valgrind" in done.stderr  # refused, saying why
+        return
+    result = run_script("script_costs.py", tmp_path / "costs.json", "--n", "100", "--callgrind")
+    phases = {p["phase"]: p for p in result["phases"]}
+    # a transition (checks, history, response, indexes) runs more than the read that precedes it
+    assert phases["accept"]["instructions_per_call"] > phases["load"]["instructions_per_call"] > 10_000
+    assert phases["complete"]["instructions_per_handoff"] >= phases["complete"]["instructions_per_call"] > 10_000

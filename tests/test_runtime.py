@@ -7,7 +7,7 @@ import gc
 import anyio
 import pytest
 
-from handoffbus.runtime import backend_options, freeze_startup, uses_uvloop
+from handoffbus.runtime import GC_THRESHOLDS, backend_options, freeze_startup, uses_uvloop
 
 
 def test_uvloop_is_used_where_installed_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -28,10 +28,15 @@ def test_uvloop_is_used_where_installed_unless_turned_off(monkeypatch: pytest.Mo
 def test_start_up_objects_are_frozen_out_of_the_collector() -> None:
     gc.collect()
     walked = len(gc.get_objects(generation=2))
+    thresholds = gc.get_threshold()
     try:
         freeze_startup()
         assert gc.get_freeze_count() > walked / 2 > 5_000  # the modules loaded so far, at the least
         assert len(gc.get_objects(generation=2)) < walked / 100  # a full collection skips them now
+        assert gc.get_threshold() == GC_THRESHOLDS != thresholds
+        young = [[] for _ in range(5_000)]  # a few thousand containers are no reason to collect
+        assert gc.get_count()[0] >= len(young)
     finally:
         gc.unfreeze()
+        gc.set_threshold(*thresholds)
     assert gc.get_freeze_count() == 0
