@@ -82,7 +82,7 @@ class ScriptBatcher:
         queued = [ScriptCall(script, keys, args, group) for script, keys, args in calls]
         self._queue.extend(queued)
         self._wake.set()
-        await group.done.wait()
+        await group.wait()
         return [call.error if call.error is not None else call.result for call in queued]
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

@@ -46,18 +46,29 @@ def pack_evalsha(call: ScriptCall, guard: bool = False) -> bytes:
 
 
 class Group:
-    """The calls of one ``call_many``: one event for all of them.
+    """The calls of one ``call_many``, and the task waiting for all of them.
 
-    An asyncio.Event: the bus runs on asyncio only (redis-py's asyncio client), and creating an
-    anyio.Event looks the backend up every time; waiting on it is cancelled by anyio's cancel
-    scopes all the same.
+    The wait is a bare asyncio future, made when the task starts waiting: the bus runs on
+    asyncio only (redis-py's asyncio client), a future costs less than an event (a script
+    call's whole round trip is a few of these), and anyio's cancel scopes cancel it all the same.
     """
 
-    __slots__ = ("done", "pending")
+    __slots__ = ("_all_done", "pending")
 
     def __init__(self, size: int) -> None:
         self.pending = size
-        self.done = asyncio.Event()
+        self._all_done: asyncio.Future[None] | None = None
+
+    async def wait(self) -> None:
+        """Until every call of the group is finished."""
+        if self.pending:
+            self._all_done = asyncio.get_running_loop().create_future()
+            await self._all_done
+
+    def one_finished(self) -> None:
+        self.pending -= 1
+        if self.pending == 0 and self._all_done is not None and not self._all_done.done():
+            self._all_done.set_result(None)  # (done already: the waiter was cancelled)
 
 
 class ScriptCall:
@@ -87,9 +98,7 @@ class ScriptCall:
             return
         self.finished = True
         self.result, self.error = result, error
-        self.group.pending -= 1
-        if self.group.pending == 0:
-            self.group.done.set()
+        self.group.one_finished()
 
 
 def no_script(reply: Any) -> bool:
