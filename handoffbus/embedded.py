@@ -35,6 +35,10 @@ __all__ = ["EmbeddedCluster", "EmbeddedServer", "find_server_binary"]
 CLUSTER_SLOTS = 16384
 
 
+#: the server setting deploy/README.md advises, which the embedded server runs with
+HASH_MAX_LISTPACK_VALUE = 512
+
+
 def _version(binary: str) -> tuple[int, ...]:
     out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10, check=False).stdout
     match = re.search(r"v=(\d+)\.(\d+)", out)
@@ -106,6 +110,9 @@ class EmbeddedServer:
             "--unixsocket", str(self.socket_path), "--unixsocketperm", "700",
             "--dir", str(self.directory), "--save", "", "--appendonly", "no",
             "--maxmemory-policy", "noeviction", "--daemonize", "no",
+            # as deploy/README.md advises: a record whose history, result or signature passes the
+            # default 64 bytes would otherwise turn from a listpack into a hashtable (2.3x the memory)
+            "--hash-max-listpack-value", str(HASH_MAX_LISTPACK_VALUE),
             "--logfile", str(self.directory / "server.log"), *self.extra_args,
         ]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

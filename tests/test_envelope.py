@@ -28,6 +28,10 @@ async def test_a_pending_record_stays_a_listpack_beside_its_envelope(real_bus: H
 
     [outcome], _ = await serve_until_done(real_bus, Echo(), [handle])
     assert outcome.status is HandoffStatus.COMPLETED
+    # its history is past 64 bytes now: the embedded servers run with the advised
+    # hash-max-listpack-value (deploy/README.md), so it is still a listpack
+    assert len(await redis.hget(keys.record, "hist")) > 64
+    assert await redis.object("encoding", keys.record) == b"listpack"
     retention_ms = real_bus.config.retention_ms
     for key in (keys.record, keys.envelope):  # both expire together once terminal
         assert retention_ms - 60_000 < await redis.pttl(key) <= retention_ms
