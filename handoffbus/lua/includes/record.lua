@@ -36,9 +36,11 @@ local WRITABLE = {reason = true, code = true, retry = true, redirect = true, res
 
 -- A response as the flat reply the client reads: status, actor, ts, then RESPONSE_FIELDS
 -- (false where absent). `values` maps field name -> value.
-local function response_reply(status, actor, ts, values)
-  local out = {status, actor, ts}
-  for i = 1, #RESPONSE_FIELDS do out[i + 3] = values[RESPONSE_FIELDS[i]] or false end
+local function response_reply(status, actor, ts, values, head)
+  local out = head or {}
+  local n = #out
+  out[n + 1], out[n + 2], out[n + 3] = status, actor, ts
+  for i = 1, #RESPONSE_FIELDS do out[n + 3 + i] = values[RESPONSE_FIELDS[i]] or false end
   return out
 end
 
@@ -54,7 +56,8 @@ end
   status, id, hist and agent (the owner, if any). Names in history are validated by the
   client to [A-Za-z0-9_.:-]. Returns the response as response_reply() builds it.
 ]]
-local function transition(keys, rec, request_id, status, actor, now, extra, retention_ms, response_retention_ms)
+local function transition(keys, rec, request_id, status, actor, now, extra, retention_ms, response_retention_ms,
+    head)
   local key, ts = keys[1], fmt(now)
   -- a response carries its own transition's fields only (the owner, 'agent', stays)
   redis.call('HDEL', key, 'reason', 'code', 'retry', 'redirect', 'result', 'error', 'rmeta', 'sig')
@@ -84,16 +87,14 @@ local function transition(keys, rec, request_id, status, actor, now, extra, rete
     redis.call('PEXPIRE', key, retention_ms)
     redis.call('PEXPIRE', keys[5], retention_ms)
   end
-  return response_reply(status, actor, ts, values)
+  return response_reply(status, actor, ts, values, head)
 end
 
 -- Read what transition() needs, as a table: status, id, hist, agent, plus `more` fields.
 local function read_record(key, more)
-  local names = {'status', 'id', 'hist', 'agent'}
-  for i = 1, #more do names[#names + 1] = more[i] end
-  local values = redis.call('HMGET', key, unpack(names))
-  local rec = {}
-  for i = 1, #names do rec[names[i]] = values[i] or nil end
+  local values = redis.call('HMGET', key, 'status', 'id', 'hist', 'agent', unpack(more))
+  local rec = {status = values[1] or nil, id = values[2] or nil, hist = values[3] or nil, agent = values[4] or nil}
+  for i = 1, #more do rec[more[i]] = values[i + 4] or nil end
   return rec
 end
 
@@ -136,8 +137,13 @@ local function run_transition(status, from, who)
   local retention_ms, response_retention_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
   -- the fields a transition may write: any other name (status, id, to, fp, hist...) would let
   -- an agent rewrite the record, or send a response in another handoff's name
+  local extra, lease = {}, ''
   for i = 6, #ARGV, 2 do
-    if not WRITABLE[ARGV[i]] then return {-9, ARGV[i]} end
+    local name = ARGV[i]
+    if not WRITABLE[name] then return {-9, name} end
+    if name == 'lease' then lease = ARGV[i + 1] end
+    extra[#extra + 1] = name
+    extra[#extra + 1] = ARGV[i + 1]
   end
   local rec = read_record(KEYS[1], {'from', 'to', 'actor', 'lease', 'routed'})
   local current = rec.status
@@ -146,12 +152,6 @@ local function run_transition(status, from, who)
   local now = now_ms()
   if expire_if_due(KEYS, rec, request_id, now, retention_ms, response_retention_ms) then
     return {-3, to}
-  end
-  local extra, lease = {}, ''
-  for i = 6, #ARGV, 2 do
-    if ARGV[i] == 'lease' then lease = ARGV[i + 1] end
-    extra[#extra + 1] = ARGV[i]
-    extra[#extra + 1] = ARGV[i + 1]
   end
 
   if current == status and rec.actor == actor and (rec.lease or '') == lease then
@@ -182,8 +182,7 @@ local function run_transition(status, from, who)
     extra[#extra + 1] = 'attempt'
     extra[#extra + 1] = '1'
   end
-  return {1, to, unpack(transition(KEYS, rec, request_id, status, actor, now, extra, retention_ms,
-    response_retention_ms))}
+  return transition(KEYS, rec, request_id, status, actor, now, extra, retention_ms, response_retention_ms, {1, to})
 end
 
 -- Append [agent, event, ts, code] to a routed record's chain (JSON text, like hist).
