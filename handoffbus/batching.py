@@ -25,7 +25,7 @@ from anyio.abc import TaskStatus
 from .cluster import ClusterSender, is_cluster
 from .errors import HandoffbusError
 from .scripts import Reload, Script, Scripts
-from .wire import Group, ScriptCall, exchange, no_script
+from .wire import Group, Line, ScriptCall, no_script
 
 __all__ = ["ScriptBatcher"]
 
@@ -103,52 +103,51 @@ class ScriptBatcher:
                 await self._cluster.close()
 
     async def _sender(self) -> None:
-        while True:
-            while not self._queue:
-                if self._wake.is_set():
-                    self._wake = anyio.Event()
-                await self._wake.wait()
-            end = min(self._max_batch, len(self._queue))
-            while end < len(self._queue) and self._queue[end].group is self._queue[end - 1].group:
-                end += 1  # a group goes whole in one batch: its calls keep their order
-            batch = self._queue[:end]
-            del self._queue[:end]
-            self._in_flight.update(batch)
-            try:
-                await (self._cluster.send(batch) if self._cluster is not None else self._send(batch))
-            except BaseException:  # cancelled (the bus is closing) mid-batch
-                closed = HandoffbusError("the bus closed before Redis answered")
-                for call in batch:
-                    call.finish(error=closed)
-                raise
-            finally:  # calls still waiting out a slot migration are the unparker's now
-                self._in_flight.difference_update(
-                    batch if self._cluster is None else [call for call in batch if call.finished])
+        line = Line(self._redis.connection_pool) if self._direct and self._cluster is None else None
+        try:
+            while True:
+                while not self._queue:
+                    if self._wake.is_set():
+                        self._wake = anyio.Event()
+                    await self._wake.wait()
+                end = min(self._max_batch, len(self._queue))
+                while end < len(self._queue) and self._queue[end].group is self._queue[end - 1].group:
+                    end += 1  # a group goes whole in one batch: its calls keep their order
+                batch = self._queue[:end]
+                del self._queue[:end]
+                self._in_flight.update(batch)
+                try:
+                    await (self._cluster.send(batch) if self._cluster is not None else self._send(batch, line))
+                except BaseException:  # cancelled (the bus is closing) mid-batch
+                    closed = HandoffbusError("the bus closed before Redis answered")
+                    for call in batch:
+                        call.finish(error=closed)
+                    raise
+                finally:  # calls still waiting out a slot migration are the unparker's now
+                    self._in_flight.difference_update(
+                        batch if self._cluster is None else [call for call in batch if call.finished])
+        finally:
+            if line is not None:
+                await line.close()
 
-    async def _execute(self, batch: list[ScriptCall]) -> list[Any]:
-        if not self._direct:
+    async def _execute(self, batch: list[ScriptCall], line: Line | None) -> list[Any]:
+        if line is None:  # fakeredis
             async with self._redis.pipeline(transaction=False) as pipe:
                 for call in batch:
                     pipe.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
                 replies: list[Any] = await pipe.execute(raise_on_error=False)
                 return replies
-        pool = self._redis.connection_pool
-        conn = await pool.get_connection()
-        try:
-            return await exchange(conn, batch)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await pool.release(conn)
+        return await line.exchange(batch)
 
-    async def _send(self, batch: list[ScriptCall]) -> None:
+    async def _send(self, batch: list[ScriptCall], line: Line | None) -> None:
         try:
-            replies = await self._execute(batch)
+            replies = await self._execute(batch, line)
             missing = [c for c, r in zip(batch, replies, strict=True) if no_script(r)]
             for _ in range(NOSCRIPT_ROUNDS):  # the cache may be flushed again between load and retry
                 if not missing:
                     break
                 await self._reload([call.script for call in missing])
-                retried = dict(zip(map(id, missing), await self._execute(missing), strict=True))
+                retried = dict(zip(map(id, missing), await self._execute(missing, line), strict=True))
                 replies = [retried.get(id(c), r) for c, r in zip(batch, replies, strict=True)]
                 missing = [c for c in missing if no_script(retried[id(c)])]
         except Exception as exc:  # the connection failed: every call of the batch hears it

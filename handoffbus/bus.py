@@ -33,6 +33,7 @@ from .signing import Keyring
 from .stats import StatsFlusher, Tally
 from .sweeper import Sweeper
 from .waiters import ResponseReader, Waiter
+from .wire import Line
 
 __all__ = ["HandoffBus"]
 
@@ -279,6 +280,12 @@ class HandoffBus:
         """The client for blocking reads (XREAD BLOCK, XREADGROUP BLOCK): see _blocking_client."""
         redis = self.redis  # refused once the bus is closed, like the main client
         return redis if self._blocking is None else self._blocking
+
+    def blocking_line(self) -> Line | None:
+        """A connection of its own for a reader that blocks all the time (see ``wire.Line``),
+        from the blocking client's pool; None where the bus's client serves blocking reads
+        (a cluster, fakeredis: use ``blocking_redis``)."""
+        return None if self._blocking is None else Line(self._blocking.connection_pool)
 
     async def _close_blocking(self) -> None:
         blocking, self._blocking = self._blocking, None

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import anyio
-
 from .models import TERMINAL, HandoffRecord, HandoffResponse
 from .names import split_handoff_id
-from .waiters import Waiter
+from .waiters import Waiter, clock
 
 if TYPE_CHECKING:
     from .client import HandoffClient
@@ -49,7 +47,7 @@ class HandoffHandle:
         while waiter.decision is None:
             wait = _SAFETY_REFRESH
             if waiter.deadline_at is not None:
-                wait = min(wait, max(waiter.deadline_at - anyio.current_time(), 0) + _DEADLINE_GRACE)
+                wait = min(wait, max(waiter.deadline_at - clock(), 0) + _DEADLINE_GRACE)
             await waiter.wait_decided(wait)
             if waiter.decision is None:
                 # at or past the deadline the status script itself makes the handoff EXPIRED

@@ -22,13 +22,20 @@ from .backoff import Backoff
 from .errors import HandoffbusError, HandoffNotFound
 from .models import DECISIONS, TERMINAL, HandoffRecord, HandoffResponse, HandoffStatus
 from .records import response_from_fields
+from .wire import Line
 
 if TYPE_CHECKING:
     from .bus import HandoffBus
 
-__all__ = ["ResponseReader", "Waiter"]
+__all__ = ["ResponseReader", "Waiter", "clock"]
 
 log = logging.getLogger("handoffbus")
+
+
+def clock() -> float:
+    """``anyio.current_time()`` on asyncio, read from the loop directly: the bus runs on asyncio
+    only, and anyio's lookup of the running backend costs several times the read."""
+    return asyncio.get_running_loop().time()
 
 
 class Waiter:
@@ -60,7 +67,7 @@ class Waiter:
             await _wait(self._on_outcome, limit)
 
     def set_deadline(self, now_ms: int, deadline_ms: int) -> None:
-        self.deadline_at = anyio.current_time() + max(deadline_ms - now_ms, 0) / 1000
+        self.deadline_at = clock() + max(deadline_ms - now_ms, 0) / 1000
 
     def feed(self, response: HandoffResponse) -> None:
         if self.decision is None:
@@ -168,13 +175,25 @@ class ResponseReader:
                 log.exception("response reader for %s: cannot read %s", self._agent, waiter.handoff_id)
 
     async def _run(self) -> None:
+        line = self._bus.blocking_line()
+        try:
+            await self._read(line)
+        finally:
+            if line is not None:
+                await line.close()
+
+    async def _read(self, line: Line | None) -> None:
         redis = self._bus.blocking_redis
         block_ms = int(self._bus.config.read_block * 1000)
         backoff = Backoff(cap=2.0)
         while True:
             assert self._cursor is not None
             try:
-                reply = await redis.xread({self._stream: self._cursor}, count=512, block=block_ms)
+                if line is not None:  # one server: the reply as it comes, entries as flat lists
+                    reply = await line.command("XREAD", "COUNT", 512, "BLOCK", block_ms,
+                                               "STREAMS", self._stream, self._cursor)
+                else:
+                    reply = await redis.xread({self._stream: self._cursor}, count=512, block=block_ms)
             except (RedisError, OSError) as exc:
                 # connection lost, server restarted, or a failover's UNBLOCKED/READONLY/LOADING
                 log.warning("response reader for %s: %s; retrying", self._agent, exc)
@@ -185,10 +204,12 @@ class ResponseReader:
                     continue
                 backoff.reset()
                 continue
-            for _stream, entries in reply or ():
+            for _stream, entries in reply.items() if isinstance(reply, dict) else reply or ():  # RESP3: a map
                 for entry_id, fields in entries:
                     self._cursor = entry_id
                     try:
+                        if not isinstance(fields, dict):
+                            fields = dict(zip(fields[::2], fields[1::2], strict=True))
                         self._dispatch(fields)
                     except Exception:
                         log.exception("undecodable response %r on %s", entry_id, self._stream)

@@ -19,7 +19,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from .scripts import Script
 
-__all__ = ["Group", "ScriptCall", "exchange", "guard_key", "no_script", "pack_evalsha"]
+__all__ = ["Group", "Line", "ScriptCall", "exchange", "guard_key", "no_script", "pack_evalsha"]
 
 _ASKING = b"*1\r\n$6\r\nASKING\r\n"
 
@@ -114,13 +114,19 @@ async def exchange(conn: Any, calls: list[ScriptCall], asking: list[bool] | None
     else:  # a cluster node
         data = b"".join((_ASKING if ask else b"") + pack_evalsha(call, guard=True)
                         for call, ask in zip(calls, asking, strict=True))
+    return await _round_trip(conn, data, len(calls), asking)
+
+
+async def _round_trip(conn: Any, data: bytes, count: int, asking: list[bool] | None = None) -> list[Any]:
+    """Write ``data`` (``count`` commands, each after an ASKING where ``asking`` says so) and
+    read their replies; an error reply is returned as its exception, in its command's place."""
     try:
         await conn.send_packed_command(data, check_health=False)
         # the parser itself, when it has one: redis-py's per-reply wrapper (timeouts, host
         # bookkeeping) costs more than the reply; hiredis hands error replies back as values
         read = getattr(getattr(conn, "_parser", None), "read_response", None) or conn.read_response
         replies: list[Any] = []
-        for i in range(len(calls)):
+        for i in range(count):
             if asking is not None and asking[i]:
                 with contextlib.suppress(ResponseError):  # the call's own reply says what went wrong
                     await read()  # +OK
@@ -133,3 +139,45 @@ async def exchange(conn: Any, calls: list[ScriptCall], asking: list[bool] | None
             await conn.disconnect()  # the replies left on the wire belong to no one now
         raise
     return replies
+
+class Line:
+    """A connection of one's own to one server, taken from the pool at first use and kept until
+    ``close``: for a batcher's sender, and for a reader that blocks on a stream. Taking a
+    connection from the pool and giving it back for every batch or read (a lock, redis-py's
+    health and metrics bookkeeping, a shielded scope) cost more than a small batch. A failed
+    exchange disconnects it and the next one connects again; so does one after the server
+    closed it while it was held, as the pool's own check would."""
+
+    __slots__ = ("_conn", "_pool")
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+        self._conn: Any = None
+
+    async def _connection(self) -> Any:
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = await self._pool.get_connection()
+        else:
+            reader = getattr(conn, "_reader", None)
+            if reader is not None and reader.at_eof():  # closed by the server while we held it
+                await conn.disconnect()
+        return conn
+
+    async def exchange(self, calls: list[ScriptCall]) -> list[Any]:
+        return await exchange(await self._connection(), calls)
+
+    async def command(self, *args: Any) -> Any:
+        """One command's reply, packed and parsed without redis-py's per-command layers (its
+        reply callbacks too: an XREAD's entries stay flat field/value lists). An error reply
+        is raised."""
+        (reply,) = await _round_trip(await self._connection(), pack_command(args), 1)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with anyio.CancelScope(shield=True):
+                await self._pool.release(conn)

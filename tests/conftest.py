@@ -53,6 +53,8 @@ STANDALONE_ONLY = {
         "restarts its own server",
     "test_waiters.py::test_blocked_readers_never_leave_script_calls_waiting_for_a_connection":
         "a cluster client's pools hold 512 connections per node, shared with blocking reads",
+    "test_scripts.py::test_script_calls_go_on_after_the_server_dropped_every_connection":
+        "kills one server's clients (a cluster client's calls reconnect per node in cluster.py)",
     "test_scripts.py::test_one_call_that_misses_the_script_cache_reloads_every_script":
         "one server's cache; a cluster's calls go in waves, and it loads what was missing on every primary",
 }

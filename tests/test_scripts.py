@@ -102,6 +102,20 @@ async def test_a_flushed_script_cache_costs_no_failed_call(real_bus: HandoffBus)
             assert (await handle.outcome()).result == "ok"
 
 
+async def test_script_calls_go_on_after_the_server_dropped_every_connection(real_bus: HandoffBus) -> None:
+    # the batcher keeps its connections between batches: one the server closed meanwhile is
+    # replaced before the next batch, not written to and failed
+    a, b = real_bus.client("a"), real_bus.client("b")
+    handle = await a.request_handoff(req("a", "b"))  # the senders hold their connections now
+    killed = await real_bus.redis.client_kill_filter(_type="normal", skipme=True)
+    assert killed >= 1
+    await real_bus.redis.ping()  # one more round trip: the loop has read the closed sockets' ends
+    await b.accept_handoff(handle.handoff_id)
+    await b.complete_handoff(handle.handoff_id, result="ok")
+    with anyio.fail_after(5):
+        assert (await handle.outcome()).result == "ok"
+
+
 async def test_closing_the_bus_fails_calls_still_waiting(backend: str, servers: dict) -> None:
     from handoffbus import HandoffbusError
 

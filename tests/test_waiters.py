@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import anyio
 import pytest
+import redis.asyncio as aioredis
 
 from handoffbus import HandoffBus, HandoffNotFound, HandoffResponse, HandoffStatus
 
+from .conftest import SERVER_BINARIES, Servers, new_prefix
 from .helpers import req
 
 pytestmark = pytest.mark.anyio
@@ -126,3 +128,18 @@ async def test_blocked_readers_never_leave_script_calls_waiting_for_a_connection
             again = await requesters[0].request_handoff(req("r0", Echo.agent_id))  # with every reader blocked
             outcomes.append(await again.outcome())
     assert [o.status for o in outcomes] == [HandoffStatus.COMPLETED] * 7
+
+
+@pytest.mark.parametrize("server", list(SERVER_BINARIES))
+async def test_responses_reach_their_waiters_over_resp3_connections(server: str, servers: Servers) -> None:
+    # the reader parses XREAD replies itself: under RESP3 they come as a map, entries still flat
+    client = aioredis.Redis.from_url(servers[server].url, protocol=3)
+    async with HandoffBus(client, owns_client=True, prefix=new_prefix()) as bus:
+        a, b = bus.client("a"), bus.client("b")
+        handle = await a.request_handoff(req("a", "b"))
+        await b.accept_handoff(handle.handoff_id)
+        await b.complete_handoff(handle.handoff_id, result="ok")
+        with anyio.fail_after(5):  # far inside the waiters' 30 s safety re-read: pushed, not re-read
+            assert (await handle.decision()).status is HandoffStatus.ACCEPTED
+            outcome = await handle.outcome()
+        assert (outcome.status, outcome.result) == (HandoffStatus.COMPLETED, "ok")
