@@ -1,7 +1,8 @@
 """Worker: serves one Agent from its inbox until told to stop.
 
 One task group: a fetch loop that takes only as many handoffs as there is free
-concurrency, and one task per handoff (acceptance hook, then the work). Settling rides on
+concurrency, and lanes (``lanes.py``) that run each handoff's handler (acceptance hook,
+then the work), up to the concurrency at once. Settling rides on
 the next ``take``. Stopping is two-phase: ``drain()`` stops fetching and lets running
 handlers finish within the grace period; what is still running then is cancelled and stays
 in the consumer group's pending list, where it is not lost. A second stop request cancels
@@ -45,6 +46,7 @@ from ..policies.blobs import has_blobs, restore
 from ..records import Loaded
 from .agent import Accept, Agent, AgentState, ReceivedHandoff, Reject, is_inline
 from .inbox import Delivery, Inbox
+from .lanes import Lanes
 from .routes import RouteFeed
 
 if TYPE_CHECKING:
@@ -162,12 +164,13 @@ class Worker:
             with anyio.CancelScope() as self._stop_scope:
                 await self._join()
                 async with anyio.create_task_group() as handlers:
+                    lanes = Lanes(handlers, self.concurrency)
                     handlers.start_soon(self._registry_loop)
                     handlers.start_soon(self._heartbeat_loop)
                     handlers.start_soon(self._settle_loop)
-                    handlers.start_soon(self._reclaim_loop, handlers)
+                    handlers.start_soon(self._reclaim_loop, lanes)
                     task_status.started()
-                    await self._fetch_loop(handlers)
+                    await self._fetch_loop(lanes)
                     with anyio.move_on_after(self.grace):
                         while self._active:
                             await self._wait_change()
@@ -319,17 +322,17 @@ class Worker:
         self._reclaim_pass.set()
         self._reclaim_pass = anyio.Event()
 
-    async def _reclaim_loop(self, handlers: anyio.abc.TaskGroup) -> None:
+    async def _reclaim_loop(self, lanes: Lanes) -> None:
         """Take over entries other consumers of this agent left idle (they died or froze)."""
         cursor: bytes | str = "0-0"
         while not self._draining:
             await anyio.sleep(self.reclaim_idle / 2)  # a timer: idle entries are looked for twice per period
             try:
-                cursor = await self._reclaim_once(handlers, cursor)
+                cursor = await self._reclaim_once(lanes, cursor)
             finally:
                 self._reclaim_pass_done()
 
-    async def _reclaim_once(self, handlers: anyio.abc.TaskGroup, cursor: bytes | str) -> bytes | str:
+    async def _reclaim_once(self, lanes: Lanes, cursor: bytes | str) -> bytes | str:
         free = self.concurrency - self._active
         if free <= 0 or self._draining:
             return cursor
@@ -365,7 +368,7 @@ class Worker:
             if deliveries > 1:
                 self.bus.tally.add(self.agent.agent_id, "redelivered")
             self._active += 1
-            handlers.start_soon(self._handle, delivery, row, deliveries)
+            lanes.submit(self._handle, delivery, row, deliveries)
         return cursor
 
     async def _delivery_counts(self, taken: list[Delivery]) -> dict[str, int]:
@@ -377,7 +380,7 @@ class Worker:
             replies = await pipe.execute()
         return {row["message_id"].decode(): int(row["times_delivered"]) for rows in replies for row in rows}
 
-    async def _fetch_loop(self, handlers: anyio.abc.TaskGroup) -> None:
+    async def _fetch_loop(self, lanes: Lanes) -> None:
         backoff = Backoff()
         carried: list[Delivery] = []  # taken, but their load failed: loaded and started first
         while not self._draining:
@@ -394,7 +397,7 @@ class Worker:
                 if carried:
                     taken, carried = carried, []
                     loaded = await self._inbox.load([d.handoff_id for d in taken])
-                    self._start(handlers, taken, loaded)
+                    self._start(lanes, taken, loaded)
                     continue
                 done, self._done = self._done, []
                 bell, taken = await self._inbox.take(free, settle=done)
@@ -422,12 +425,12 @@ class Worker:
                 await anyio.sleep(delay)
                 continue
             backoff.reset()
-            self._start(handlers, taken, loaded)
+            self._start(lanes, taken, loaded)
 
-    def _start(self, handlers: anyio.abc.TaskGroup, taken: list[Delivery], loaded: list[Loaded | None]) -> None:
+    def _start(self, lanes: Lanes, taken: list[Delivery], loaded: list[Loaded | None]) -> None:
         for delivery, row in zip(taken, loaded, strict=True):
             self._active += 1
-            handlers.start_soon(self._handle, delivery, row)
+            lanes.submit(self._handle, delivery, row)
 
     async def _handle(self, delivery: Delivery, row: Loaded | None, deliveries: int = 1) -> None:
         hid = delivery.handoff_id
