@@ -35,8 +35,10 @@ NOSCRIPT_ROUNDS = 5
 
 class ScriptBatcher:
     def __init__(self, redis: Any, scripts: Scripts, *, senders: int = 2, max_batch: int = 512,
-                 reload: Reload | None = None) -> None:
-        """``reload``: by default the batcher loads the scripts itself (``load``)."""
+                 reload: Reload | None = None, lines: Any = None) -> None:
+        """``reload``: by default the batcher loads the scripts itself (``load``). ``lines``: on
+        one server, the pool each sender takes the connection it keeps from (by default the
+        client's own; the bus gives one outside its pool's cap, see ``bus._blocking_client``)."""
         self._redis = redis
         self._scripts = scripts
         self._senders = senders
@@ -47,6 +49,7 @@ class ScriptBatcher:
         self._closed = False
         # fakeredis has no wire: it takes commands through redis-py's pipeline
         self._direct = not type(redis).__module__.startswith("fakeredis")
+        self._lines = lines
         self._reload = reload or self.load
         self._cluster = ClusterSender(redis, self._in_flight, self._reload) if is_cluster(redis) else None
 
@@ -103,7 +106,9 @@ class ScriptBatcher:
                 await self._cluster.close()
 
     async def _sender(self) -> None:
-        line = Line(self._redis.connection_pool) if self._direct and self._cluster is None else None
+        line = None
+        if self._direct and self._cluster is None:
+            line = Line(self._lines if self._lines is not None else self._redis.connection_pool)
         try:
             while True:
                 while not self._queue:

@@ -75,11 +75,13 @@ def _client(url: str, max_connections: int | None, cluster: bool | None = None) 
     return aioredis.Redis.from_pool(pool)  # the client owns the pool and closes it
 
 def _blocking_client(redis: Any) -> Any:
-    """On one server, a client whose connections serve blocking reads only, made as they are
-    needed: every blocked reader holds a connection for as long as it blocks, and a process with
-    more readers than its pool has connections (a forwarder serving many agents, many requesters
-    or served agents in one process) would leave every script call waiting for one. None where
-    the bus's client serves them too: a cluster client (a pool of 512 per node) or fakeredis."""
+    """On one server, a client whose connections are each held by one task, made as they are
+    needed: every blocked reader holds one for as long as it blocks, and each of the batcher's
+    senders keeps one (``wire.Line``). Taken from the bus's pool, they would leave it short: a
+    process with more readers than the pool has connections (a forwarder serving many agents,
+    many requesters or served agents in one process), or a pool of one or two, would leave every
+    other command waiting for one. None where the bus's client serves them too: a cluster client
+    (a pool of 512 per node) or fakeredis."""
     if is_cluster(redis) or type(redis).__module__.startswith("fakeredis"):
         return None
     pool = redis.connection_pool
@@ -167,7 +169,8 @@ class HandoffBus:
         the start; ``cluster=False`` refuses a cluster server.
 
         The pool waits for a free connection instead of failing (64 by default); blocking
-        reads use connections of their own, one per blocked reader, outside it. A cluster
+        reads and the two senders that pipeline script calls use connections of their own,
+        one each, outside it. A cluster
         client opens up to ``max_connections`` per node (512 by default), blocking reads
         included, and fails beyond.
         No socket timeout is set: readers block in XREAD for ``read_block`` seconds and must
@@ -238,7 +241,8 @@ class HandoffBus:
                 except NoPermissionError:  # a read-only user, like acl.py's monitor: it reads plainly
                     self.plain_reads = True
             self._tg = await stack.enter_async_context(anyio.create_task_group())
-            self._batcher = ScriptBatcher(self.redis, self.scripts, reload=reload)
+            lines = None if self._blocking is None else self._blocking.connection_pool
+            self._batcher = ScriptBatcher(self.redis, self.scripts, reload=reload, lines=lines)
             await self._tg.start(self._batcher.run)
             if self._outbox is not None:
                 await self._tg.start(self._outbox.start)  # the forwarder's bus sweeps, not this one

@@ -141,23 +141,35 @@ async def _round_trip(conn: Any, data: bytes, count: int, asking: list[bool] | N
     return replies
 
 class Line:
-    """A connection of one's own to one server, taken from the pool at first use and kept until
-    ``close``: for a batcher's sender, and for a reader that blocks on a stream. Taking a
-    connection from the pool and giving it back for every batch or read (a lock, redis-py's
-    health and metrics bookkeeping, a shielded scope) cost more than a small batch. A failed
-    exchange disconnects it and the next one connects again; so does one after the server
-    closed it while it was held, as the pool's own check would."""
+    """A connection of one's own to one server, taken from a pool and kept: for a batcher's
+    sender, and for a reader that blocks on a stream. Taking a connection from the pool and
+    giving it back for every batch or read (a lock, redis-py's health and metrics bookkeeping,
+    a shielded scope) cost more than a small batch.
 
-    __slots__ = ("_conn", "_pool")
+    A failed exchange disconnects it and the next one connects again; so does one after the
+    server closed it while it was held, as the pool's own check would. It goes back to the pool
+    and is taken again every ``HOLD`` seconds, so that what the pool does on a release (a new
+    token for a streaming credential provider, a reconnect a maintenance notice asked for)
+    still happens under steady load."""
+
+    #: seconds a connection is kept before it goes back to the pool and is taken again
+    HOLD = 1.0
+
+    __slots__ = ("_conn", "_pool", "_taken")
 
     def __init__(self, pool: Any) -> None:
         self._pool = pool
         self._conn: Any = None
+        self._taken = 0.0
 
     async def _connection(self) -> Any:
         conn = self._conn
+        if conn is not None and asyncio.get_running_loop().time() - self._taken > self.HOLD:
+            await self.close()
+            conn = None
         if conn is None:
             conn = self._conn = await self._pool.get_connection()
+            self._taken = asyncio.get_running_loop().time()
         else:
             reader = getattr(conn, "_reader", None)
             if reader is not None and reader.at_eof():  # closed by the server while we held it
@@ -170,8 +182,10 @@ class Line:
     async def command(self, *args: Any) -> Any:
         """One command's reply, packed and parsed without redis-py's per-command layers (its
         reply callbacks too: an XREAD's entries stay flat field/value lists). An error reply
-        is raised."""
-        (reply,) = await _round_trip(await self._connection(), pack_command(args), 1)
+        is raised. The connection's health check, if the client asks for one, runs first."""
+        conn = await self._connection()
+        await conn.check_health()
+        (reply,) = await _round_trip(conn, pack_command(args), 1)
         if isinstance(reply, Exception):
             raise reply
         return reply

@@ -7,6 +7,7 @@ from typing import Any
 
 import anyio
 import pytest
+import redis.asyncio as aioredis
 from hypothesis import given
 from hypothesis import strategies as st
 from redis._parsers.encoders import Encoder
@@ -15,9 +16,10 @@ from redis.crc import key_slot
 
 from handoffbus import HandoffBus, HandoffStatus
 from handoffbus.scripts import SCRIPT_NAMES, Scripts, _files, key_count, script_source
-from handoffbus.wire import Group, ScriptCall, pack_evalsha
+from handoffbus.wire import Group, Line, ScriptCall, pack_evalsha
 from handoffbus.workers.inbox import Inbox
 
+from .conftest import SERVER_BINARIES, Servers
 from .helpers import req
 
 pytestmark = pytest.mark.anyio
@@ -114,6 +116,33 @@ async def test_script_calls_go_on_after_the_server_dropped_every_connection(real
     await b.complete_handoff(handle.handoff_id, result="ok")
     with anyio.fail_after(5):
         assert (await handle.outcome()).result == "ok"
+
+
+@pytest.mark.parametrize("server", list(SERVER_BINARIES))
+async def test_a_line_keeps_its_connection_and_gives_it_back_every_hold(
+        server: str, servers: Servers, monkeypatch: pytest.MonkeyPatch) -> None:
+    # kept between commands (no pool round each time), yet given back now and then, so that
+    # what the pool does on a release (re-authentication, a reconnect asked for) still happens
+    pool = aioredis.ConnectionPool.from_url(servers[server].url)
+    released: list[object] = []
+    release = pool.release
+
+    async def counted(conn: Any) -> None:
+        released.append(conn)
+        await release(conn)
+
+    monkeypatch.setattr(pool, "release", counted)
+    line = Line(pool)
+    try:
+        assert [await line.command("PING") for _ in range(3)] == [b"PONG"] * 3
+        assert released == []
+        monkeypatch.setattr(Line, "HOLD", 0.0)
+        assert await line.command("PING") == b"PONG"
+        assert len(released) == 1
+    finally:
+        await line.close()
+        await pool.disconnect()
+    assert len(released) == 2
 
 
 async def test_closing_the_bus_fails_calls_still_waiting(backend: str, servers: dict) -> None:

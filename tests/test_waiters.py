@@ -130,6 +130,34 @@ async def test_blocked_readers_never_leave_script_calls_waiting_for_a_connection
     assert [o.status for o in outcomes] == [HandoffStatus.COMPLETED] * 7
 
 
+@pytest.mark.parametrize("size", [1, 2])
+@pytest.mark.parametrize("server", list(SERVER_BINARIES))
+async def test_a_pool_of_one_or_two_connections_serves_a_whole_bus(server: str, size: int, servers: Servers) -> None:
+    """The connections the batcher's two senders keep (and every blocked reader's) come from
+    outside the bus's pool: a pool that small still has one for everything else."""
+    from .agents import Echo
+    from .conftest import make_bus
+    from .helpers import serving
+
+    async with make_bus(server, servers, max_connections=size) as bus, serving(bus, Echo()):
+        a = bus.client("a")
+        with anyio.fail_after(20):
+            handles = [await a.request_handoff(req("a", Echo.agent_id))]
+            async with anyio.create_task_group() as tg:  # enough at once for both senders to send
+
+                async def one() -> None:
+                    handles.append(await a.request_handoff(req("a", Echo.agent_id)))
+
+                for _ in range(20):
+                    tg.start_soon(one)
+            other = await a.request_handoff(req("a", "nobody"))  # a new target: an SADD on the pool
+            outcomes = [await handle.outcome() for handle in handles]
+            await bus.redis.script_flush()  # a reload takes a pool connection while a sender holds its own
+            outcomes.append(await (await a.request_handoff(req("a", Echo.agent_id))).outcome())
+    assert [o.status for o in outcomes] == [HandoffStatus.COMPLETED] * 22
+    assert other.handoff_id.startswith("a/")
+
+
 @pytest.mark.parametrize("server", list(SERVER_BINARIES))
 async def test_responses_reach_their_waiters_over_resp3_connections(server: str, servers: Servers) -> None:
     # the reader parses XREAD replies itself: under RESP3 they come as a map, entries still flat

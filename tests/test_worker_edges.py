@@ -12,6 +12,7 @@ from handoffbus import HandoffBus, HandoffStatus, Worker
 from handoffbus.keys import GROUP
 from handoffbus.routing import set_id
 from handoffbus.workers.inbox import Delivery, Inbox
+from handoffbus.workers.lanes import Lanes
 from handoffbus.workers.routes import RouteFeed
 
 from .agents import Echo
@@ -93,12 +94,75 @@ async def test_a_worker_does_not_reclaim_what_it_is_running(real_bus: HandoffBus
         [entry] = [e["message_id"] for e in await real_bus.redis.xpending_range(keys.inbox, GROUP, "-", "+", 10)]
         await real_bus.redis.xclaim(keys.inbox, GROUP, worker.consumer, 0, [entry], idle=10**6)
         worker.reclaim_idle = 0.001
-        await worker._reclaim_once(tg, "0-0")
+        await worker._reclaim_once(Lanes(tg, 1), "0-0")
         release.set()
         with anyio.fail_after(10):
             assert (await handle.outcome()).status is HandoffStatus.COMPLETED
         worker.drain()
     assert runs == [handle.handoff_id]  # one run, not a second beside it
+
+
+async def test_a_handoff_waiting_for_a_lane_is_kept_fresh_by_the_heartbeat(real_bus: HandoffBus) -> None:
+    # a reclaim can start more handoffs than the concurrency: one that waits for a lane must be
+    # among the entries the heartbeat touches, or another worker would claim it as idle
+    started, release = anyio.Event(), anyio.Event()
+
+    class Slow(Echo):
+        async def on_handoff_received(self, handoff: Any) -> Any:
+            started.set()
+            await release.wait()
+            return "done"
+
+    handles = [await real_bus.client("a").request_handoff(req("a", Slow.agent_id)) for _ in range(2)]
+    worker = Worker(real_bus, Slow(), consumer="w1", concurrency=1)
+    _, taken = await worker._inbox.take(2)
+    loaded = await worker._inbox.load([d.handoff_id for d in taken])
+    async with anyio.create_task_group() as tg:
+        worker._start(Lanes(tg, 1), taken, loaded)
+        with anyio.fail_after(10):
+            await started.wait()
+        assert worker._entries == {d.handoff_id: d.entry_id for d in taken}  # the waiting one too
+        release.set()
+        with anyio.fail_after(10):
+            assert [(await h.outcome()).status for h in handles] == [HandoffStatus.COMPLETED] * 2
+        tg.cancel_scope.cancel()
+    assert worker._entries == {}
+
+
+@pytest.mark.parametrize("step", ["take over", "dead-letter"])
+async def test_a_stop_in_the_middle_of_a_takeover_or_dead_lettering_leaves_the_handoff_pending(
+        real_bus: HandoffBus, step: str) -> None:
+    # a handoff another consumer of the agent took (and, for a takeover, accepted) and left;
+    # a stop arriving while its reclaimer's call is on the wire must not settle it: settled,
+    # no worker would ever finish it (or dead-letter it)
+    handle = await real_bus.client("a").request_handoff(req("a", Echo.agent_id))
+    _, [delivery] = await Inbox(real_bus, Echo.agent_id, "gone-1").take(1)
+    if step == "take over":
+        await real_bus.client(Echo.agent_id)._transition(
+            "accept", handle.handoff_id, {"lease": "gone-1"}, settle=False)
+    calling = anyio.Event()
+
+    async def on_the_wire(*args: Any, **kwargs: Any) -> Any:
+        calling.set()
+        await anyio.sleep_forever()
+
+    # a second delivery is past max_deliveries=1: the handoff is poison, and dead-lettered
+    limit = 1 if step == "dead-letter" else 5
+    worker = Worker(real_bus, Echo(), consumer="w2", reclaim_idle=0.05, max_deliveries=limit)
+    if step == "take over":
+        worker._take_over = on_the_wire  # type: ignore[method-assign]
+    else:
+        worker._inbox.dead_letter = on_the_wire  # type: ignore[method-assign]
+    async with anyio.create_task_group() as tg:
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            await calling.wait()
+        worker.drain()
+        worker.drain()  # the second: stop at once
+    keys = real_bus.keys.target(Echo.agent_id)
+    pending = await real_bus.redis.xpending_range(keys.inbox, GROUP, "-", "+", 10)
+    assert [(p["message_id"].decode(), p["consumer"].decode()) for p in pending] == [(delivery.entry_id, "w2")]
+    assert await real_bus.redis.hget(keys.inflight, handle.handoff_id) == delivery.entry_id.encode()
 
 
 async def test_taken_handoffs_whose_load_failed_are_started_once_it_works(real_bus: HandoffBus) -> None:

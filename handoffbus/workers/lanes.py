@@ -7,7 +7,9 @@ as the load needs them, up to the worker's concurrency, in the worker's handler 
 group: its cancel scope stops them like the tasks they replace.
 
 Each handler still runs in a copy of the context it was submitted from, as a task of its
-own would: a context variable a hook sets stays with that handoff, not with the lane.
+own would: a context variable a hook sets stays with that handoff, not with the lane. The
+asyncio task it runs in (``asyncio.current_task()``) is the lane's, shared with the handlers
+the lane ran before it.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class Lanes:
                         self._idle.remove(waiting)
             context, func, args = self._jobs.popleft()
             await _InContext(func(*args), context)
+            del context, func, args  # an idle lane keeps nothing of its last handoff alive
 
 
 class _InContext(Generic[T]):

@@ -367,8 +367,7 @@ class Worker:
                            extra={"handoff_id": delivery.handoff_id})
             if deliveries > 1:
                 self.bus.tally.add(self.agent.agent_id, "redelivered")
-            self._active += 1
-            lanes.submit(self._handle, delivery, row, deliveries)
+            self._submit(lanes, delivery, row, deliveries)
         return cursor
 
     async def _delivery_counts(self, taken: list[Delivery]) -> dict[str, int]:
@@ -429,14 +428,19 @@ class Worker:
 
     def _start(self, lanes: Lanes, taken: list[Delivery], loaded: list[Loaded | None]) -> None:
         for delivery, row in zip(taken, loaded, strict=True):
-            self._active += 1
-            lanes.submit(self._handle, delivery, row)
+            self._submit(lanes, delivery, row)
+
+    def _submit(self, lanes: Lanes, delivery: Delivery, row: Loaded | None, deliveries: int = 1) -> None:
+        self._active += 1
+        # held from now: one that waits for a lane (a reclaim can overshoot the concurrency)
+        # keeps its inbox entry fresh through the heartbeat, so no other worker claims it
+        self._entries[delivery.handoff_id] = delivery.entry_id
+        lanes.submit(self._handle, delivery, row, deliveries)
 
     async def _handle(self, delivery: Delivery, row: Loaded | None, deliveries: int = 1) -> None:
         hid = delivery.handoff_id
         # what becomes of the delivery when this handler ends
         after = "settle"
-        self._entries[hid] = delivery.entry_id
         try:
             if row is None or row.status in TERMINAL:
                 return  # decided elsewhere, expired or gone: only settle it
@@ -445,6 +449,7 @@ class Worker:
                 if deliveries > self.max_deliveries else None
             )
             if poison or row.request is None:
+                after = "keep pending"  # a stop mid-call leaves it to be looked at again, never settled
                 await self._inbox.dead_letter(delivery, poison or "no request", deliveries)
                 self._log.error("%s: dead-lettered %s: %s", self.consumer, hid, poison, extra={"handoff_id": hid})
                 after = "dead"
@@ -454,9 +459,10 @@ class Worker:
                 pass  # the delivery itself: the requester's trace reaches this worker
             with tracing.consumer_span("process", self._inbox_key, hid, metadata, GROUP, self.consumer):
                 if row.status is HandoffStatus.ACCEPTED:
-                    # accepted by a worker of this agent that stopped: carry on from there
-                    attempt = await self._take_over(hid)
+                    # accepted by a worker of this agent that stopped: carry on from there (a stop
+                    # mid-takeover leaves it pending too: settled, no one would finish it)
                     after = "keep pending"
+                    attempt = await self._take_over(hid)
                     status = await self._work(hid, row.request, attempt, row.created_ms)
                 else:
                     after = "give back"  # nothing sent yet: a stop now hands it back to the queue
