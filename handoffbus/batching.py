@@ -48,10 +48,13 @@ class ScriptBatcher:
         self._wake = anyio.Event()
         self._closed = False
         # fakeredis has no wire: it takes commands through redis-py's pipeline
-        self._direct = not type(redis).__module__.startswith("fakeredis")
-        self._lines = lines
+        direct = not type(redis).__module__.startswith("fakeredis")
         self._reload = reload or self.load
         self._cluster = ClusterSender(redis, self._in_flight, self._reload) if is_cluster(redis) else None
+        #: on one server, where each sender's kept connection comes from (see wire.Line)
+        self._lines: Any = None
+        if direct and self._cluster is None:
+            self._lines = lines if lines is not None else redis.connection_pool
 
     async def load(self, missing: Sequence[Script]) -> None:
         """Load what the server lost. On one server every script at once, in a MULTI: a group
@@ -106,9 +109,7 @@ class ScriptBatcher:
                 await self._cluster.close()
 
     async def _sender(self) -> None:
-        line = None
-        if self._direct and self._cluster is None:
-            line = Line(self._lines if self._lines is not None else self._redis.connection_pool)
+        line = None if self._lines is None else Line(self._lines)
         try:
             while True:
                 while not self._queue:

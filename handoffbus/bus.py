@@ -241,8 +241,7 @@ class HandoffBus:
                 except NoPermissionError:  # a read-only user, like acl.py's monitor: it reads plainly
                     self.plain_reads = True
             self._tg = await stack.enter_async_context(anyio.create_task_group())
-            lines = None if self._blocking is None else self._blocking.connection_pool
-            self._batcher = ScriptBatcher(self.redis, self.scripts, reload=reload, lines=lines)
+            self._batcher = ScriptBatcher(self.redis, self.scripts, reload=reload, lines=self._lines)
             await self._tg.start(self._batcher.run)
             if self._outbox is not None:
                 await self._tg.start(self._outbox.start)  # the forwarder's bus sweeps, not this one
@@ -285,11 +284,16 @@ class HandoffBus:
         redis = self.redis  # refused once the bus is closed, like the main client
         return redis if self._blocking is None else self._blocking
 
+    @property
+    def _lines(self) -> Any:
+        """The pool kept connections (``wire.Line``) come from: the blocking client's, outside
+        the bus's cap; None where the bus's client serves them (a cluster, fakeredis)."""
+        return None if self._blocking is None else self._blocking.connection_pool
+
     def blocking_line(self) -> Line | None:
-        """A connection of its own for a reader that blocks all the time (see ``wire.Line``),
-        from the blocking client's pool; None where the bus's client serves blocking reads
-        (a cluster, fakeredis: use ``blocking_redis``)."""
-        return None if self._blocking is None else Line(self._blocking.connection_pool)
+        """A connection of its own for a reader that blocks all the time (see ``wire.Line``);
+        None where the bus's client serves blocking reads (use ``blocking_redis``)."""
+        return None if self._lines is None else Line(self._lines)
 
     async def _close_blocking(self) -> None:
         blocking, self._blocking = self._blocking, None

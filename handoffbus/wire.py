@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import anyio
@@ -140,6 +141,7 @@ async def _round_trip(conn: Any, data: bytes, count: int, asking: list[bool] | N
         raise
     return replies
 
+
 class Line:
     """A connection of one's own to one server, taken from a pool and kept: for a batcher's
     sender, and for a reader that blocks on a stream. Taking a connection from the pool and
@@ -163,13 +165,13 @@ class Line:
         self._taken = 0.0
 
     async def _connection(self) -> Any:
-        conn = self._conn
-        if conn is not None and asyncio.get_running_loop().time() - self._taken > self.HOLD:
+        conn, now = self._conn, time.monotonic()
+        if conn is not None and now - self._taken > self.HOLD:
             await self.close()
             conn = None
         if conn is None:
             conn = self._conn = await self._pool.get_connection()
-            self._taken = asyncio.get_running_loop().time()
+            self._taken = now
         else:
             reader = getattr(conn, "_reader", None)
             if reader is not None and reader.at_eof():  # closed by the server while we held it
