@@ -140,7 +140,9 @@ class ScriptBatcher:
         if line is None:  # fakeredis
             async with self._redis.pipeline(transaction=False) as pipe:
                 for call in batch:
-                    pipe.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
+                    script = call.script
+                    pipe.execute_command(*(("EVALSHA", script.sha, len(call.keys)) if script.sha else (script.name,)),
+                                         *call.keys, *call.args)
                 replies: list[Any] = await pipe.execute(raise_on_error=False)
                 return replies
         return await line.exchange(batch)

@@ -73,7 +73,7 @@ async def load_rows(redis: Any, keys: Sequence[RecordKeys]) -> list[list[Any]]:
         row, envelope = list(replies[2 * i]), replies[2 * i + 1]
         if row[0] is not None and envelope is not None:
             row[1] = envelope
-        rows.append([*row[:12], now_ms, row[12]])  # the script's order: server time, then the lease
+        rows.append([*row[:12], now_ms, row[12], 0])  # the script's order: server time, the lease, left out
     return rows
 
 

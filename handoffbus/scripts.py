@@ -22,7 +22,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-__all__ = ["SCRIPT_NAMES", "Reload", "Script", "Scripts", "script_source"]
+__all__ = ["GET", "SCRIPT_NAMES", "Command", "Reload", "Script", "Scripts", "script_source"]
 
 SCRIPT_NAMES = (
     "request",
@@ -91,6 +91,20 @@ class Script:
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
 
+class Command(Script):
+    """A plain command sent through the batcher like a script call, packed without EVALSHA (it
+    has no SHA): for a large envelope, which costs Redis far more passing through Lua than as
+    a plain value (see ``HandoffBus.load_records``)."""
+
+    __slots__ = ()
+
+    def __init__(self, name: str, keys: int = 1) -> None:
+        self.name, self.keys, self.source, self.sha = name, keys, "", ""
+
+
+#: a request envelope, read apart from its record (see ``HandoffBus.load_records``)
+GET = Command("GET")
+
 
 #: what brings back scripts the server lost, before calls that met NOSCRIPT go again (the
 #: batcher's own loading, or an isolated agent's wait for its forwarder): given the missing ones
@@ -107,6 +121,8 @@ class Scripts:
         return (getattr(self, name) for name in SCRIPT_NAMES)
 
     def __getitem__(self, name: str) -> Script:
+        if name == GET.name:  # a plain read among the script calls
+            return GET
         if name not in SCRIPT_NAMES:
             raise KeyError(name)
         script: Script = getattr(self, name)

@@ -36,8 +36,12 @@ def guard_key(key: str) -> str | None:
 
 def pack_evalsha(call: ScriptCall, guard: bool = False) -> bytes:
     """RESP for EVALSHA, by hiredis's packer (in C): redis-py's general packer costs several times
-    more per command. Arguments are str, bytes, int or float (TypeError otherwise)."""
+    more per command. Arguments are str, bytes, int or float (TypeError otherwise). A plain
+    command (``scripts.Command``, no SHA) is packed as itself: its key is its slot's own."""
     keys = call.keys
+    if not call.script.sha:
+        plain: bytes = pack_command((call.script.name, *keys, *call.args))
+        return plain
     if guard and keys:
         extra = guard_key(keys[0])
         if extra is not None:

@@ -13,10 +13,21 @@ import anyio
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from handoffbus import HandoffBus, HandoffHandle, HandoffRequest, HandoffResponse
+from handoffbus import (
+    ConversationEntry,
+    HandoffBus,
+    HandoffContext,
+    HandoffHandle,
+    HandoffRequest,
+    HandoffResponse,
+    serialize_context,
+)
 from handoffbus.workers import Agent, Worker
 
 ROOT = Path(__file__).resolve().parent.parent
+#: a context of 8 messages, over ``bus.INLINE_ENVELOPE``: a worker's load GETs its envelope apart
+LARGE = serialize_context(HandoffContext(conversation_history=[
+    ConversationEntry(role="user", content=f"{i}:" + "h" * 4096) for i in range(8)]))
 
 
 async def start_worker(url: str, prefix: str, agent: str, *extra: str) -> tuple[Process, BufferedByteReceiveStream]:

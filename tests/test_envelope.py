@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from handoffbus import HandoffBus, HandoffContext, HandoffStatus, serialize_context
+from handoffbus.bus import INLINE_ENVELOPE
 
 from .agents import Echo
-from .helpers import req, serve_until_done
+from .helpers import LARGE, req, serve_until_done
 
 pytestmark = pytest.mark.anyio
 
@@ -51,3 +54,40 @@ async def test_a_record_with_its_envelope_inside_is_still_served(bus: HandoffBus
     assert record is not None and record.request.reason == "old" and record.request.context_snapshot == CONTEXT
     [outcome], _ = await serve_until_done(bus, Echo(), [handle])
     assert outcome.status is HandoffStatus.COMPLETED and outcome.result["echo"] == "old"
+
+
+async def test_a_large_envelope_is_read_apart_from_its_record(bus: HandoffBus) -> None:
+    assert len(LARGE) > INLINE_ENVELOPE >= len(CONTEXT)
+    client = bus.client("req")
+    large = await client.request_handoff(req("req", "echo-1", reason="large", context_snapshot=LARGE))
+    small = await client.request_handoff(req("req", "echo-1", reason="small", context_snapshot=CONTEXT))
+    rows = {}
+    for name, handle in (("large", large), ("small", small)):
+        keys = bus.keys.record("req", handle.request_id)
+        rows[name] = await bus.script("load", [keys.record, keys.envelope], [INLINE_ENVELOPE])
+    assert rows["large"][14] == 1 and rows["large"][1] is None  # left out, for a GET
+    assert rows["small"][14] == 0 and CONTEXT in rows["small"][1]
+
+    loaded = await bus.load_records([large.handoff_id, small.handoff_id])
+    assert [item.request.context_snapshot if item and item.request else None for item in loaded] == [LARGE, CONTEXT]
+    outcomes, _ = await serve_until_done(bus, Echo(), [large, small])
+    assert [(o.status, o.result["echo"], o.result["messages"]) for o in outcomes] == [
+        (HandoffStatus.COMPLETED, "large", 8), (HandoffStatus.COMPLETED, "small", 0)]
+
+
+async def test_a_large_envelope_gone_before_its_get_is_a_gone_record(
+        bus: HandoffBus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between the load and the GET the envelope can expire only with its (decided) record: the
+    bus then reports the record gone, never a request it could not decode."""
+    client = bus.client("req")
+    handle = await client.request_handoff(req("req", "echo-1", reason="large", context_snapshot=LARGE))
+    keys = bus.keys.record("req", handle.request_id)
+    scripts_many = bus.scripts_many
+
+    async def expire_first(calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+        if calls and calls[0][0] == "GET":
+            await bus.redis.delete(keys.record, keys.envelope)
+        return await scripts_many(calls)
+
+    monkeypatch.setattr(bus, "scripts_many", expire_first)
+    assert await bus.load_records([handle.handoff_id]) == [None]

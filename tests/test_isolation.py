@@ -37,7 +37,7 @@ from handoffbus.workers.routes import RouteFeed
 
 from .agents import Echo
 from .conftest import new_prefix
-from .helpers import ROOT, req, response_statuses
+from .helpers import LARGE, ROOT, req, response_statuses
 
 pytestmark = pytest.mark.anyio
 AGENTS = ("req", "echo-1", "mallory")
@@ -90,7 +90,9 @@ async def test_a_handoff_between_isolated_agents(real_backend: str, servers: dic
         # the agents' users really are confined: the requester cannot touch the target's queue
         with pytest.raises(NoPermissionError):
             await setup.buses["req"].redis.zcard(setup.buses["req"].keys.target("echo-1").queue)
-        handles = [await client.request_handoff(req("req", "echo-1", reason=f"r{i}")) for i in range(20)]
+        # the first with a large context: an isolated worker's load brings its envelope through the forwarder
+        handles = [await client.request_handoff(req("req", "echo-1", reason=f"r{i}",
+                                                    context_snapshot=LARGE if i == 0 else None)) for i in range(20)]
         cancelled = await client.request_handoff(req("req", "nobody-1", reason="never mind"))
         expiring = await client.request_handoff(req("req", "nobody-1", reason="too late", timeout=0.3))
         async with anyio.create_task_group() as tg:
@@ -104,6 +106,7 @@ async def test_a_handoff_between_isolated_agents(real_backend: str, servers: dic
         queue_left = await setup.trusted.redis.zcard(setup.trusted.keys.target("nobody-1").queue)
         statuses = [await response_statuses(setup.trusted, "req", h.handoff_id) for h in handles]
     assert [o.result["echo"] for o in outcomes] == [f"r{i}" for i in range(20)]
+    assert [o.result["messages"] for o in outcomes] == [8] + [0] * 19
     assert statuses == [["ACCEPTED", "COMPLETED"]] * 20
     assert gone.status is HandoffStatus.CANCELLED and late.status is HandoffStatus.EXPIRED
     assert queue_left == 0  # the cancelled and the expired one were taken out of the queue, by forwarded settles

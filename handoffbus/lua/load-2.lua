@@ -4,16 +4,29 @@
   that it travels in the same pipelines as the transitions.
 
   KEYS[1] record hash   <p>:{R}:h:<request_id>   KEYS[2] request envelope  <p>:{R}:e:<request_id>
+  ARGV[1] optional: the largest envelope, in bytes, to return; a larger one is left out, for
+          the caller to GET (a large value costs Redis far more passing through Lua than as a
+          plain reply: see HandoffBus.load_records)
 
   Returns {status, encoded request, owning agent, attempt, created ms, deadline ms, handoff id,
-  from, to, routed, capability set, signature, server time ms, lease}; the record's fields are
-  false (nil) when it is gone. Handoff id to server time let a worker check a signed request
-  before decoding it; the lease tells a running handler whether its hold still stands.
+  from, to, routed, capability set, signature, server time ms, lease, left out}; the record's
+  fields are false (nil) when it is gone. `left out` is 1 when the envelope was left out
+  (the encoded request is then false), else 0. Handoff id to server time let a worker check a
+  signed request before decoding it; the lease tells a running handler whether its hold
+  still stands.
 ]]
 local row = redis.call('HMGET', KEYS[1], 'status', 'env', 'agent', 'attempt', 'created', 'deadline', 'id',
-  'from', 'to', 'routed', 'caps', 'sig', 'lease')
+  'from', 'to', 'routed', 'caps', 'sig', 'lease', 'esz')
 local t = redis.call('TIME')
+local size = tonumber(row[14])  -- nil for a record written before its size was (or an old layout)
 row[14] = row[13]
 row[13] = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if row[1] then row[2] = redis.call('GET', KEYS[2]) or row[2] end  -- or a pre-split record's own field
+row[15] = 0
+if row[1] then
+  if ARGV[1] and size and size > tonumber(ARGV[1]) then
+    row[2], row[15] = false, 1
+  else
+    row[2] = redis.call('GET', KEYS[2]) or row[2]  -- or a pre-split record's own field
+  end
+end
 return row

@@ -47,7 +47,7 @@ local deadline = now + timeout_ms
 local last = last_response_id(KEYS[4])
 redis.call('HSET', KEYS[1],
   'id', hid, 'from', from, 'to', to, 'status', 'PENDING', 'actor', from,
-  'created', fmt(now), 'updated', fmt(now), 'deadline', fmt(deadline), 'fp', fingerprint,
+  'created', fmt(now), 'updated', fmt(now), 'deadline', fmt(deadline), 'fp', fingerprint, 'esz', #envelope,
   'hist', '[["PENDING","' .. from .. '",' .. fmt(now) .. ']]')
 if ARGV[14] and ARGV[14] ~= '' then redis.call('HSET', KEYS[1], 'sig', ARGV[14]) end
 redis.call('SET', KEYS[5], envelope)
