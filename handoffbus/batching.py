@@ -140,9 +140,10 @@ class ScriptBatcher:
         if line is None:  # fakeredis
             async with self._redis.pipeline(transaction=False) as pipe:
                 for call in batch:
-                    script = call.script
-                    pipe.execute_command(*(("EVALSHA", script.sha, len(call.keys)) if script.sha else (script.name,)),
-                                         *call.keys, *call.args)
+                    if call.script.sha:
+                        pipe.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
+                    else:  # a plain command: GET, the only one (scripts.Command)
+                        pipe.get(*call.keys)
                 replies: list[Any] = await pipe.execute(raise_on_error=False)
                 return replies
         return await line.exchange(batch)
