@@ -34,7 +34,7 @@ _SCRIPT_LOADING = ("script|load", "script|exists", "multi", "exec", "discard")
 _STREAMS = ("xadd", "xread", "xreadgroup", "xack", "xclaim", "xautoclaim", "xpending", "xrange", "xrevrange",
             "xdel", "xlen", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "xgroup|create",
             "xgroup|createconsumer")
-_DATA = ("get", "set", "del", "unlink", "exists", "type", "pexpire", "pttl", "incr",
+_DATA = ("get", "set", "del", "unlink", "exists", "type", "pexpire", "pttl", "incr", "rename", "persist", "strlen",
          "hget", "hmget", "hgetall", "hset", "hdel", "hlen", "hexists", "hscan",
          "zadd", "zrem", "zrange", "zrangebyscore", "zcard", "zscore", "zpopmin", "zcount",
          "sadd", "srem", "smembers", "sismember", "sscan")

@@ -24,7 +24,7 @@ from anyio.abc import TaskStatus
 
 from .cluster import ClusterSender, is_cluster
 from .errors import HandoffbusError
-from .scripts import Reload, Script, Scripts
+from .scripts import GET, SET, Reload, Script, Scripts
 from .wire import Group, Line, ScriptCall, no_script
 
 __all__ = ["ScriptBatcher"]
@@ -142,8 +142,11 @@ class ScriptBatcher:
                 for call in batch:
                     if call.script.sha:
                         pipe.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
-                    else:  # a plain command: GET, the only one (scripts.Command)
+                    elif call.script is GET:  # the plain commands (scripts.Command)
                         pipe.get(*call.keys)
+                    else:
+                        assert call.script is SET
+                        pipe.execute_command("SET", *call.keys, *call.args)
                 replies: list[Any] = await pipe.execute(raise_on_error=False)
                 return replies
         return await line.exchange(batch)

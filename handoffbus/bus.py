@@ -28,7 +28,7 @@ from .plainreads import load_rows, refuses_scripts, server_time_ms, status_reply
 from .policies import HandoffPolicy
 from .records import Loaded, loaded_from_row, record_from_hash
 from .routing import Router
-from .scripts import Script, Scripts
+from .scripts import INLINE_ENVELOPE, Script, Scripts
 from .signing import Keyring
 from .stats import StatsFlusher, Tally
 from .sweeper import Sweeper
@@ -94,13 +94,6 @@ MIN_SERVER_VERSION = (7, 0)
 #: how long an isolated agent's calls that met NOSCRIPT wait before they are sent again
 #: (five times, see batching.py; the forwarder loads missing scripts every `discover` seconds)
 SCRIPT_WAIT = 1.0
-
-
-#: the largest envelope a ``load`` returns itself: a larger one comes by a plain GET in a second
-#: round trip. Passing through Lua, a value costs Redis 7.0 about 1.3 ns a byte (Lua's garbage
-#: collector is paced by the bytes its strings take): some 85 us for 64 KB, against a few for a
-#: GET; below about 16 KB the second round trip costs more than it saves.
-INLINE_ENVELOPE = 16 * 1024
 
 
 class HandoffBus:

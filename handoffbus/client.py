@@ -29,6 +29,7 @@ from .models import (
 from .names import check_name, check_names, join_handoff_id, split_handoff_id
 from .records import response_from_reply
 from .routing import Directory, Reroute, capability_set, refusal_response, set_id
+from .scripts import INLINE_ENVELOPE, STAGED_TTL_MS
 from .signing import response_body
 from .waiters import Waiter
 
@@ -193,11 +194,18 @@ class HandoffClient:
         if bus.keyring is not None:
             signature = bus.keyring.sign(self.agent_id, "request", [
                 handoff_id, self.agent_id, request.to_agent, caps, str(timeout_ms)], envelope, await self._now_ms())
-        record_call = ("request", keys.as_list(), [
+        record_args: list[Any] = [
             handoff_id, request.request_id, self.agent_id, request.to_agent, timeout_ms,
             envelope, bus.config.retention_ms, bus.config.response_retention_ms, fingerprint,
             caps, request.priority, int(bus.config.route_guard * 1000), bus.config.max_pending, signature,
-        ])
+        ]
+        record_calls = [("request", keys.as_list(), record_args)]
+        if len(envelope) > INLINE_ENVELOPE:  # written apart, renamed in by the script (see request-5.lua)
+            staged = bus.keys.staged(self.agent_id, request.request_id, os.urandom(8).hex())
+            record_args[5] = ""
+            record_args.append("1")
+            record_calls = [("SET", [staged], [envelope, "PX", STAGED_TTL_MS]),
+                            ("request", [*keys.as_list(), staged], record_args)]
         if request.to_agent:
             await bus.register_target(request.to_agent)
             follow = [bus.enqueue_call(request.to_agent, handoff_id, request.priority, bus.config.max_queued)]
@@ -207,15 +215,17 @@ class HandoffClient:
             # the caller's request id may name a handoff that exists: queue or route it only once
             # the record says it is this request and still PENDING, never another request's (a
             # conflict) nor a decided one (a worker could take it and run its work again)
-            [reply] = await bus.scripts_many([record_call])
+            replies = await bus.scripts_many(record_calls)
+            reply = replies[-1]
             pending = not isinstance(reply, BaseException) and (
                 int(reply[0]) == 1 or (int(reply[0]) == 0 and reply[1] == b"PENDING"))
             followed = await bus.scripts_many(follow) if pending else []
         else:
             # a new request id: the record and its queue entry in one round trip, in this order; a
             # crash between them leaves a PENDING record that expires at its deadline
-            reply, *followed = await bus.scripts_many([record_call, *follow])
-        for failed in (reply, *followed):
+            replies = await bus.scripts_many([*record_calls, *follow])
+            reply, followed = replies[len(record_calls) - 1], replies[len(record_calls):]
+        for failed in (*replies[:len(record_calls)], *followed):
             if isinstance(failed, BaseException):
                 let_go()
                 raise failed

@@ -173,6 +173,7 @@ LEASE_LOST = -6
 QUEUE_FULL = -7
 TOO_MANY_PENDING = -8
 NOT_WRITABLE = -9
+ENVELOPE_MISSING = -10
 
 
 def raise_for_code(code: int, handoff_id: str, actor: str, attempted: str, detail: bytes | None) -> NoReturn:
@@ -196,4 +197,7 @@ def raise_for_code(code: int, handoff_id: str, actor: str, attempted: str, detai
     if code == NOT_WRITABLE:
         field = (detail or b"?").decode()
         raise InvalidRequest(f"{attempted} on {handoff_id!r}: {field!r} is not a field it may write")
+    if code == ENVELOPE_MISSING:
+        raise HandoffbusError(f"{attempted} of {handoff_id!r}: the envelope sent beside it was gone before the "
+                              "record was made (nothing was created: send it again)")
     raise HandoffbusError(f"unexpected script code {code} for {attempted} on {handoff_id!r}")

@@ -84,6 +84,13 @@ class Keys:
             envelope=f"{base}e:{request_id}",
         )
 
+    def staged(self, requester: str, request_id: str, nonce: str) -> str:
+        """A large request's envelope on its way in: written by a plain SET beside the
+        ``request`` script, which renames it to the envelope key if it creates the record and
+        deletes it otherwise. ``nonce`` is the call's own, so that two requests with one id
+        never meet here."""
+        return f"{self.slot(requester)}s:{request_id}:{nonce}"
+
     def responses(self, requester: str) -> str:
         return f"{self.slot(requester)}responses"
 

@@ -20,6 +20,7 @@ from handoffbus import HandoffBus, HandoffContext, HandoffRequest, HandoffStatus
 from handoffbus.forwarding import Forwarder
 from handoffbus.policies import offload
 from handoffbus.routing import set_id
+from handoffbus.scripts import STAGED_TTL_MS
 from handoffbus.workers.inbox import Inbox
 
 REQUESTER = "general-agent-1"
@@ -117,6 +118,10 @@ async def build_state(bus: HandoffBus, url: str) -> None:
         tg.cancel_scope.cancel()
 
     await bus.stats.flush()  # req-41's acceptance and completion, counted for the target
+
+    # a large request caught on its way in: its envelope staged, its request script not yet run
+    await bus.redis.set(bus.keys.staged(REQUESTER, "req-45", "9f86d081884c7d65"), b"\x85" + b"." * 20_000,
+                        px=STAGED_TTL_MS)
 
     # a 70 kB report in a context goes out of band (policies/blobs.py), into a blob key of R's
     await offload(bus, REQUESTER, HandoffContext(tool_state={"report": "A" * 70_000}), threshold=65_536)

@@ -25,7 +25,7 @@ from handoffbus import (
 from handoffbus.workers import Agent, Worker
 
 ROOT = Path(__file__).resolve().parent.parent
-#: a context of 8 messages, over ``bus.INLINE_ENVELOPE``: a worker's load GETs its envelope apart
+#: a context of 8 messages, over ``scripts.INLINE_ENVELOPE``: its envelope goes by plain SET and GET
 LARGE = serialize_context(HandoffContext(conversation_history=[
     ConversationEntry(role="user", content=f"{i}:" + "h" * 4096) for i in range(8)]))
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from handoffbus import HandoffBus, HandoffContext, HandoffStatus, serialize_context
-from handoffbus.bus import INLINE_ENVELOPE
+from handoffbus import HandoffBus, HandoffContext, HandoffStatus, RequestConflict, serialize_context
+from handoffbus.scripts import INLINE_ENVELOPE
 
 from .agents import Echo
 from .helpers import LARGE, req, serve_until_done
@@ -91,3 +91,80 @@ async def test_a_large_envelope_gone_before_its_get_is_a_gone_record(
 
     monkeypatch.setattr(bus, "scripts_many", expire_first)
     assert await bus.load_records([handle.handoff_id]) == [None]
+
+
+async def staged_keys(bus: HandoffBus, requester: str) -> list[bytes]:
+    return [key async for key in bus.redis.scan_iter(match=f"{bus.keys.slot(requester)}s:*")]
+
+
+def plain_commands(bus: HandoffBus, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The plain commands the bus sends among its script calls from now on (a spy)."""
+    seen: list[str] = []
+    scripts_many = bus.scripts_many
+
+    async def spy(calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+        seen.extend(name for name, _, _ in calls if name.isupper())
+        return await scripts_many(calls)
+
+    monkeypatch.setattr(bus, "scripts_many", spy)
+    return seen
+
+
+async def test_a_large_request_envelope_is_staged_then_renamed_into_place(
+        bus: HandoffBus, monkeypatch: pytest.MonkeyPatch) -> None:
+    sent = plain_commands(bus, monkeypatch)
+    client = bus.client("req")
+    handle = await client.request_handoff(req("req", "echo-1", reason="large", context_snapshot=LARGE))
+    keys = bus.keys.record("req", handle.request_id)
+    envelope = await bus.redis.get(keys.envelope)
+    assert envelope is not None and LARGE in envelope
+    assert await bus.redis.pttl(keys.envelope) == -1  # the staged copy's expiry is gone with it
+    assert int(await bus.redis.hget(keys.record, "esz")) == len(envelope)
+    assert sent == ["SET"] and await staged_keys(bus, "req") == []
+    # the same request again (resubmitted): its staged copy is dropped, the handoff is the same
+    again = await client.request_handoff(req("req", "echo-1", reason="large", context_snapshot=LARGE,
+                                             request_id=handle.request_id))
+    assert again.handoff_id == handle.handoff_id and await staged_keys(bus, "req") == []
+    [outcome], _ = await serve_until_done(bus, Echo(), [handle])
+    assert (outcome.status, outcome.result["messages"]) == (HandoffStatus.COMPLETED, 8)
+    assert sent == ["SET", "SET", "GET"]  # the worker's load read the envelope apart too
+
+
+async def test_a_large_request_with_the_id_of_another_leaves_that_one_alone(
+        bus: HandoffBus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each call stages its envelope under a key of its own: a request that conflicts with the
+    record never has its envelope renamed over the record's."""
+    sent = plain_commands(bus, monkeypatch)
+    client = bus.client("req")
+    first = await client.request_handoff(req("req", "echo-1", reason="first", context_snapshot=LARGE))
+    keys = bus.keys.record("req", first.request_id)
+    before = await bus.redis.get(keys.envelope)
+    other = LARGE.replace(b"0:h", b"0:x")
+    with pytest.raises(RequestConflict):
+        await client.request_handoff(req("req", "echo-1", reason="first", context_snapshot=other,
+                                         request_id=first.request_id))
+    assert await bus.redis.get(keys.envelope) == before
+    assert sent == ["SET", "SET"] and await staged_keys(bus, "req") == []
+
+
+async def test_the_request_script_drops_or_misses_a_staged_envelope(bus: HandoffBus) -> None:
+    """Refused for the requester's cap, the staged envelope is deleted; gone before the script
+    ran (it outlived its expiry), nothing is written."""
+    client = bus.client("req")
+    await client.request_handoff(req("req", "echo-1", reason="holds the cap"))
+
+    def call(request_id: str, staged: str, cap: int) -> tuple[str, list[str], list[Any]]:
+        keys = bus.keys.record("req", request_id)
+        return ("request", [*keys.as_list(), staged], [
+            f"req/{request_id}", request_id, "req", "echo-1", 60_000, "", 3_600_000, 3_600_000, "fp",
+            "", 0, 1000, cap, "", "1"])
+
+    staged = bus.keys.staged("req", "capped", "n1")
+    await bus.scripts_many([("SET", [staged], [LARGE, "PX", 60_000])])
+    assert await staged_keys(bus, "req") == [staged.encode()]  # (the scan sees staged keys)
+    assert await bus.scripts_many([call("capped", staged, 1)]) == [[-8]]
+    assert await staged_keys(bus, "req") == [] and not await bus.redis.exists(bus.keys.record("req", "capped").record)
+
+    [reply] = await bus.scripts_many([call("lost", bus.keys.staged("req", "lost", "n2"), 0)])
+    assert reply == [-10]
+    assert not await bus.redis.exists(*bus.keys.record("req", "lost").as_list()[:2])

@@ -4,6 +4,7 @@
 
   KEYS[1] record hash   KEYS[2] pending marker   KEYS[3] deadline index   KEYS[4] response stream
   KEYS[5] request envelope
+  KEYS[6] with ARGV[15]: the staged envelope (<p>:{R}:s:<request_id>:<nonce>)
   ARGV[1] handoff id    ARGV[2] request id        ARGV[3] from agent    ARGV[4] to agent ('' = routed)
   ARGV[5] acceptance timeout ms                   ARGV[6] encoded request envelope (stored in KEYS[5])
   ARGV[7] record retention ms                     ARGV[8] response stream retention ms
@@ -15,6 +16,9 @@
   ARGV[13] cap on the requester's undecided handoffs, counted as KEYS[3] entries (one per
            undecided handoff, a routed one has a second while it waits on an offer); 0 = none
   ARGV[14] signature ('' = unsigned), stored as the record's `sig` (see signing.py)
+  ARGV[15] '1' = the envelope is staged at KEYS[6] instead of passed in ARGV[6]: a large one,
+           written by a plain SET just before (a large value costs Redis far more passing
+           through Lua). It is renamed into KEYS[5] if the record is created, deleted otherwise.
 
   Returns:
     {1, 'PENDING', now ms, deadline ms, last response id}  created; the marker expires at the deadline
@@ -22,6 +26,7 @@
        unless its deadline had passed: then it is made EXPIRED and EXPIRED is emitted)
     {-5} the request id exists with a different request (another fingerprint)
     {-8} the requester is at its cap of undecided handoffs (nothing written)
+    {-10} the staged envelope is gone (nothing written)
   The last response id lets the caller read KEYS[4] from a point before any response to
   this handoff, so no response can be missed.
 ]]
@@ -31,9 +36,11 @@ local hid, request_id, from, to = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local timeout_ms, envelope = tonumber(ARGV[5]), ARGV[6]
 local retention_ms, response_retention_ms = tonumber(ARGV[7]), tonumber(ARGV[8])
 local fingerprint = ARGV[9]
+local staged = ARGV[15] == '1'
 
 local existing = read_record(KEYS[1], {'fp', 'deadline'})
 if existing.status then
+  if staged then redis.call('DEL', KEYS[6]) end
   if existing.fp ~= fingerprint then return {-5} end
   local now = now_ms()
   expire_if_due(KEYS, existing, request_id, now, retention_ms, response_retention_ms)
@@ -41,16 +48,27 @@ if existing.status then
 end
 
 local cap = tonumber(ARGV[13] or 0)
-if cap > 0 and redis.call('ZCARD', KEYS[3]) >= cap then return {-8} end
+if cap > 0 and redis.call('ZCARD', KEYS[3]) >= cap then
+  if staged then redis.call('DEL', KEYS[6]) end
+  return {-8}
+end
+local size = #envelope
+if staged then
+  size = redis.call('STRLEN', KEYS[6])  -- 0: gone (an envelope is never empty)
+  if size == 0 then return {-10} end
+  redis.call('RENAME', KEYS[6], KEYS[5])
+  redis.call('PERSIST', KEYS[5])  -- the staged copy's expiry only covered a lost call
+else
+  redis.call('SET', KEYS[5], envelope)
+end
 local now = now_ms()
 local deadline = now + timeout_ms
 local last = last_response_id(KEYS[4])
 redis.call('HSET', KEYS[1],
   'id', hid, 'from', from, 'to', to, 'status', 'PENDING', 'actor', from,
-  'created', fmt(now), 'updated', fmt(now), 'deadline', fmt(deadline), 'fp', fingerprint, 'esz', #envelope,
+  'created', fmt(now), 'updated', fmt(now), 'deadline', fmt(deadline), 'fp', fingerprint, 'esz', size,
   'hist', '[["PENDING","' .. from .. '",' .. fmt(now) .. ']]')
 if ARGV[14] and ARGV[14] ~= '' then redis.call('HSET', KEYS[1], 'sig', ARGV[14]) end
-redis.call('SET', KEYS[5], envelope)
 redis.call('SET', KEYS[2], '1', 'PXAT', fmt(deadline))
 redis.call('ZADD', KEYS[3], deadline, request_id)
 if to == '' then
