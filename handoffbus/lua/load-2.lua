@@ -6,7 +6,8 @@
   KEYS[1] record hash   <p>:{R}:h:<request_id>   KEYS[2] request envelope  <p>:{R}:e:<request_id>
   ARGV[1] optional: the largest envelope, in bytes, to return; a larger one is left out, for
           the caller to GET (a large value costs Redis far more passing through Lua than as a
-          plain reply: see HandoffBus.load_records)
+          plain reply: see scripts.INLINE_ENVELOPE). The record's `esz` tells the size; a
+          record without it (envelope of 16 KB or less) always has its envelope returned.
 
   Returns {status, encoded request, owning agent, attempt, created ms, deadline ms, handoff id,
   from, to, routed, capability set, signature, server time ms, lease, left out}; the record's

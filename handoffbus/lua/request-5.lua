@@ -52,7 +52,7 @@ if cap > 0 and redis.call('ZCARD', KEYS[3]) >= cap then
   if staged then redis.call('DEL', KEYS[6]) end
   return {-8}
 end
-local size = #envelope
+local size = false  -- a large (staged) envelope's, for load to leave it to a plain GET
 if staged then
   size = redis.call('STRLEN', KEYS[6])  -- 0: gone (an envelope is never empty)
   if size == 0 then return {-10} end
@@ -66,8 +66,9 @@ local deadline = now + timeout_ms
 local last = last_response_id(KEYS[4])
 redis.call('HSET', KEYS[1],
   'id', hid, 'from', from, 'to', to, 'status', 'PENDING', 'actor', from,
-  'created', fmt(now), 'updated', fmt(now), 'deadline', fmt(deadline), 'fp', fingerprint, 'esz', size,
+  'created', fmt(now), 'updated', fmt(now), 'deadline', fmt(deadline), 'fp', fingerprint,
   'hist', '[["PENDING","' .. from .. '",' .. fmt(now) .. ']]')
+if size then redis.call('HSET', KEYS[1], 'esz', size) end
 if ARGV[14] and ARGV[14] ~= '' then redis.call('HSET', KEYS[1], 'sig', ARGV[14]) end
 redis.call('SET', KEYS[2], '1', 'PXAT', fmt(deadline))
 redis.call('ZADD', KEYS[3], deadline, request_id)
