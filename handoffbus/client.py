@@ -200,7 +200,7 @@ class HandoffClient:
             caps, request.priority, int(bus.config.route_guard * 1000), bus.config.max_pending, signature,
         ]
         record_calls = [("request", keys.as_list(), record_args)]
-        if len(envelope) > INLINE_ENVELOPE:  # written apart, renamed in by the script (see request-5.lua)
+        if len(envelope) > INLINE_ENVELOPE:  # written apart, renamed in by the script (see request-6.lua)
             staged = bus.keys.staged(self.agent_id, request.request_id, os.urandom(8).hex())
             record_args[5] = ""
             record_args.append("1")

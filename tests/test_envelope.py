@@ -10,7 +10,7 @@ from handoffbus import HandoffBus, HandoffContext, HandoffStatus, RequestConflic
 from handoffbus.scripts import INLINE_ENVELOPE
 
 from .agents import Echo
-from .helpers import LARGE, req, serve_until_done
+from .helpers import LARGE, req, routed, serve_until_done
 
 pytestmark = pytest.mark.anyio
 
@@ -168,3 +168,12 @@ async def test_the_request_script_drops_or_misses_a_staged_envelope(bus: Handoff
     [reply] = await bus.scripts_many([call("lost", bus.keys.staged("req", "lost", "n2"), 0)])
     assert reply == [-10]
     assert not await bus.redis.exists(*bus.keys.record("req", "lost").as_list()[:2])
+
+
+async def test_a_large_routed_request_is_served_like_a_direct_one(bus: HandoffBus) -> None:
+    client = bus.client("req")
+    handle = await client.request_handoff(routed(["echo"], reason="routed large", context_snapshot=LARGE))
+    assert await staged_keys(bus, "req") == []
+    [outcome], _ = await serve_until_done(bus, Echo(), [handle])
+    assert (outcome.status, outcome.result["echo"], outcome.result["messages"]) == (
+        HandoffStatus.COMPLETED, "routed large", 8)

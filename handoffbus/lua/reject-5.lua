@@ -8,7 +8,7 @@
   ARGV[1] handoff id    ARGV[2] request id       ARGV[3] acting agent
   ARGV[4] record retention ms     ARGV[5] response stream retention ms
   ARGV[6..] response field/value pairs (reason, code, retry, redirect, rmeta), and 'guard' =
-            routing guard ms for a routed handoff (see request-5.lua)
+            routing guard ms for a routed handoff (see request-6.lua)
 
   Allowed from: PENDING.   Who: the to_agent (for a routed handoff: the agent it is offered to).
   Returns:

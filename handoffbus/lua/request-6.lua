@@ -4,7 +4,8 @@
 
   KEYS[1] record hash   KEYS[2] pending marker   KEYS[3] deadline index   KEYS[4] response stream
   KEYS[5] request envelope
-  KEYS[6] with ARGV[15]: the staged envelope (<p>:{R}:s:<request_id>:<nonce>)
+  KEYS[6] the staged envelope <p>:{R}:s:<request_id>:<nonce>, read with ARGV[15] only (a
+          caller that passes the envelope in ARGV[6] may leave it out)
   ARGV[1] handoff id    ARGV[2] request id        ARGV[3] from agent    ARGV[4] to agent ('' = routed)
   ARGV[5] acceptance timeout ms                   ARGV[6] encoded request envelope (stored in KEYS[5])
   ARGV[7] record retention ms                     ARGV[8] response stream retention ms
