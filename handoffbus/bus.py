@@ -451,8 +451,7 @@ class HandoffBus:
                                    strict=True):
                 if isinstance(envelope, BaseException):
                     raise envelope
-                # gone meanwhile: only a decided record's envelope expires, and with it the record
-                rows[i] = [envelope and rows[i][0], envelope, *rows[i][2:]]
+                rows[i] = [rows[i][0], envelope, *rows[i][2:]]  # gone (None): a poison row, as inline
         return [loaded_from_row(row, self.codec, self.keyring) for row in rows]
 
     async def read_record(self, handoff_id: str) -> tuple[int, bytes, HandoffRecord] | None:

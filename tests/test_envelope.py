@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import pytest
 
 from handoffbus import HandoffBus, HandoffContext, HandoffStatus, RequestConflict, serialize_context
@@ -67,6 +68,8 @@ async def test_a_large_envelope_is_read_apart_from_its_record(bus: HandoffBus) -
         rows[name] = await bus.script("load", [keys.record, keys.envelope], [INLINE_ENVELOPE])
     assert rows["large"][14] == 1 and rows["large"][1] is None  # left out, for a GET
     assert rows["small"][14] == 0 and CONTEXT in rows["small"][1]
+    small_record = bus.keys.record("req", small.request_id).record
+    assert await bus.redis.hget(small_record, "esz") is None  # a small record keeps its former fields
 
     loaded = await bus.load_records([large.handoff_id, small.handoff_id])
     assert [item.request.context_snapshot if item and item.request else None for item in loaded] == [LARGE, CONTEXT]
@@ -75,22 +78,27 @@ async def test_a_large_envelope_is_read_apart_from_its_record(bus: HandoffBus) -
         (HandoffStatus.COMPLETED, "large", 8), (HandoffStatus.COMPLETED, "small", 0)]
 
 
-async def test_a_large_envelope_gone_before_its_get_is_a_gone_record(
+async def test_a_large_envelope_gone_before_its_get_reads_as_a_poison_record(
         bus: HandoffBus, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Between the load and the GET the envelope can expire only with its (decided) record: the
-    bus then reports the record gone, never a request it could not decode."""
+    """A record whose envelope is gone (evicted, deleted) between the load and the GET reads as
+    one whose envelope is gone at the load: a poison record the worker dead-letters, never a
+    request, and never "gone" (which would leave it PENDING until its deadline)."""
     client = bus.client("req")
-    handle = await client.request_handoff(req("req", "echo-1", reason="large", context_snapshot=LARGE))
-    keys = bus.keys.record("req", handle.request_id)
+    large = await client.request_handoff(req("req", "echo-1", reason="large", context_snapshot=LARGE))
+    small = await client.request_handoff(req("req", "echo-1", reason="small", context_snapshot=CONTEXT))
+    envelopes = [bus.keys.record("req", h.request_id).envelope for h in (large, small)]
     scripts_many = bus.scripts_many
 
-    async def expire_first(calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+    async def evict_first(calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
         if calls and calls[0][0] == "GET":
-            await bus.redis.delete(keys.record, keys.envelope)
+            await bus.redis.delete(envelopes[0])
         return await scripts_many(calls)
 
-    monkeypatch.setattr(bus, "scripts_many", expire_first)
-    assert await bus.load_records([handle.handoff_id]) == [None]
+    monkeypatch.setattr(bus, "scripts_many", evict_first)
+    await bus.redis.delete(envelopes[1])  # the inline path, for comparison
+    loaded = await bus.load_records([large.handoff_id, small.handoff_id])
+    assert [(item.status, item.request, bool(item.error)) if item else None for item in loaded] == [
+        (HandoffStatus.PENDING, None, True)] * 2
 
 
 async def staged_keys(bus: HandoffBus, requester: str) -> list[bytes]:
@@ -177,3 +185,28 @@ async def test_a_large_routed_request_is_served_like_a_direct_one(bus: HandoffBu
     [outcome], _ = await serve_until_done(bus, Echo(), [handle])
     assert (outcome.status, outcome.result["echo"], outcome.result["messages"]) == (
         HandoffStatus.COMPLETED, "routed large", 8)
+
+
+async def test_two_large_requests_with_one_id_at_once_never_mix(bus: HandoffBus) -> None:
+    """Sent together, each stages its envelope under a key of its own: the record keeps the
+    envelope of the request it was made from. (On a cluster, where a batch goes in waves, both
+    SETs can run before either script: a key shared by the two calls failed there.)"""
+    client = bus.client("req")
+    contents = {"a": LARGE, "b": LARGE.replace(b"0:h", b"0:x")}
+    results: dict[str, object] = {}
+
+    async def send(name: str) -> None:
+        try:
+            results[name] = await client.request_handoff(req(
+                "req", "echo-1", reason="same", context_snapshot=contents[name], request_id="same-id"))
+        except RequestConflict as exc:
+            results[name] = exc
+
+    async with anyio.create_task_group() as tg:
+        for name in contents:
+            tg.start_soon(send, name)
+    [winner] = [name for name, result in results.items() if not isinstance(result, RequestConflict)]
+    [loaded] = await bus.load_records(["req/same-id"])
+    assert loaded is not None and loaded.request is not None
+    assert loaded.request.context_snapshot == contents[winner]
+    assert await staged_keys(bus, "req") == []

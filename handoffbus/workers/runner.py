@@ -578,7 +578,7 @@ class Worker:
             await self._touch([hid])
         # the load script, not HGET: an isolated agent reads a peer's record through the forwarder
         keys = self.bus.keys.record(requester, request_id)
-        row = await self.bus.script("load", [keys.record, keys.envelope], [0])  # the lease, not the envelope
+        row = await self.bus.script("load", [keys.record, keys.envelope], [0])  # a large envelope left out
         holder = row[13] if len(row) > 13 else None
         if holder != self.consumer.encode():
             raise LeaseLost(hid, (holder or b"").decode())
