@@ -210,3 +210,16 @@ async def test_two_large_requests_with_one_id_at_once_never_mix(bus: HandoffBus)
     assert loaded is not None and loaded.request is not None
     assert loaded.request.context_snapshot == contents[winner]
     assert await staged_keys(bus, "req") == []
+
+
+async def test_a_large_envelope_is_read_apart_by_a_status_read(
+        bus: HandoffBus, monkeypatch: pytest.MonkeyPatch) -> None:
+    client = bus.client("req")
+    handle = await client.request_handoff(req("req", "echo-1", reason="large", context_snapshot=LARGE))
+    keys = bus.keys.record("req", handle.request_id)
+    reply = await bus.script("status", keys.as_list(), [handle.request_id, 60_000, 60_000, INLINE_ENVELOPE])
+    assert b"esz" in reply[3::2] and b"env" not in reply[3::2]  # left out, for a GET
+    sent = plain_commands(bus, monkeypatch)
+    record = await client.get_handoff_status(handle.handoff_id)
+    assert record is not None and record.request.context_snapshot == LARGE
+    assert record.status is HandoffStatus.PENDING and sent == ["GET"]
