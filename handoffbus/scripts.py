@@ -106,8 +106,8 @@ class Command(Script):
 #: the largest envelope that passes through Lua. Passing through it, a value costs Redis 7.0
 #: about 1.3 ns a byte (Lua's garbage collector is paced by the bytes its strings take): some
 #: 80 us at 64 KB, against a few for a plain GET or SET. A larger one is written by a plain SET
-#: beside the ``request`` script, and a worker's ``load`` leaves it to a GET in a second round
-#: trip, which below about 16 KB costs more than it saves.
+#: beside the ``request`` script, and the ``load`` and ``status`` reads leave it to a GET in a
+#: second round trip, which below about 16 KB costs more than it saves.
 INLINE_ENVELOPE = 16 * 1024
 #: ms a staged envelope lives if its ``request`` script never runs (a lost connection)
 STAGED_TTL_MS = 600_000
