@@ -29,7 +29,7 @@ from .models import (
 from .names import check_name, check_names, join_handoff_id, split_handoff_id
 from .records import response_from_reply
 from .routing import Directory, Reroute, capability_set, refusal_response, set_id
-from .scripts import INLINE_ENVELOPE, STAGED_TTL_MS
+from .scripts import STAGE_OVER, STAGED_TTL_MS
 from .signing import response_body
 from .waiters import Waiter
 
@@ -200,7 +200,7 @@ class HandoffClient:
             caps, request.priority, int(bus.config.route_guard * 1000), bus.config.max_pending, signature,
         ]
         record_calls = [("request", keys.as_list(), record_args)]
-        if len(envelope) > INLINE_ENVELOPE:  # written apart, renamed in by the script (see request-6.lua)
+        if len(envelope) > STAGE_OVER:  # written apart, renamed in by the script (see request-6.lua)
             staged = bus.keys.staged(self.agent_id, request.request_id, os.urandom(8).hex())
             record_args[5] = ""
             record_args.append("1")

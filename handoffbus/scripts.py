@@ -22,8 +22,8 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-__all__ = ["GET", "INLINE_ENVELOPE", "SCRIPT_NAMES", "SET", "STAGED_TTL_MS", "Command", "Reload", "Script", "Scripts",
-           "script_source"]
+__all__ = ["GET", "INLINE_ENVELOPE", "SCRIPT_NAMES", "SET", "STAGED_TTL_MS", "STAGE_OVER", "Command", "Reload",
+           "Script", "Scripts", "script_source"]
 
 SCRIPT_NAMES = (
     "request",
@@ -103,12 +103,16 @@ class Command(Script):
         self.name, self.keys, self.source, self.sha = name, keys, "", ""
 
 
-#: the largest envelope that passes through Lua. Passing through it, a value costs Redis 7.0
-#: about 1.3 ns a byte (Lua's garbage collector is paced by the bytes its strings take): some
-#: 80 us at 64 KB, against a few for a plain GET or SET. A larger one is written by a plain SET
-#: beside the ``request`` script, and the ``load`` and ``status`` reads leave it to a GET in a
-#: second round trip, which below about 16 KB costs more than it saves.
+#: Passing through Lua, a value costs Redis 7.0 about 1.3 ns a byte (Lua's garbage collector
+#: is paced by the bytes its strings take): some 80 us at 64 KB, against a few for a plain GET
+#: or SET. So a large envelope travels by plain commands.
+#: The largest envelope the ``load`` and ``status`` reads return: a larger one is left to a GET
+#: in a second round trip, which below about 16 KB costs more than it saves.
 INLINE_ENVELOPE = 16 * 1024
+#: The largest envelope passed to the ``request`` script: a larger one is written by a plain SET
+#: beside it, in the same batch (no round trip more; it saves the server more than the extra
+#: command costs the requester from about 8 KB on).
+STAGE_OVER = 8 * 1024
 #: ms a staged envelope lives if its ``request`` script never runs (a lost connection)
 STAGED_TTL_MS = 600_000
 

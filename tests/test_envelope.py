@@ -7,8 +7,8 @@ from typing import Any
 import anyio
 import pytest
 
-from handoffbus import HandoffBus, HandoffContext, HandoffStatus, RequestConflict, serialize_context
-from handoffbus.scripts import INLINE_ENVELOPE
+from handoffbus import ConversationEntry, HandoffBus, HandoffContext, HandoffStatus, RequestConflict, serialize_context
+from handoffbus.scripts import INLINE_ENVELOPE, STAGE_OVER
 
 from .agents import Echo
 from .helpers import LARGE, req, routed, serve_until_done
@@ -223,3 +223,22 @@ async def test_a_large_envelope_is_read_apart_by_a_status_read(
     record = await client.get_handoff_status(handle.handoff_id)
     assert record is not None and record.request.context_snapshot == LARGE
     assert record.status is HandoffStatus.PENDING and sent == ["GET"]
+
+
+async def test_a_mid_sized_envelope_goes_in_staged_and_comes_out_inline(
+        bus: HandoffBus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between STAGE_OVER and INLINE_ENVELOPE: staging adds no round trip and saves the server
+    more than it costs; a GET apart would cost a round trip, so the reads return it themselves."""
+    mid = serialize_context(HandoffContext(conversation_history=[
+        ConversationEntry(role="user", content=f"{i}:" + "m" * 4096) for i in range(3)]))
+    assert STAGE_OVER < len(mid) <= INLINE_ENVELOPE
+    sent = plain_commands(bus, monkeypatch)
+    client = bus.client("req")
+    handle = await client.request_handoff(req("req", "echo-1", reason="mid", context_snapshot=mid))
+    keys = bus.keys.record("req", handle.request_id)
+    assert int(await bus.redis.hget(keys.record, "esz")) == len(await bus.redis.get(keys.envelope))
+    [outcome], _ = await serve_until_done(bus, Echo(), [handle])
+    record = await client.get_handoff_status(handle.handoff_id)
+    assert (outcome.status, outcome.result["messages"]) == (HandoffStatus.COMPLETED, 3)
+    assert record is not None and record.request.context_snapshot == mid
+    assert sent == ["SET"] and await staged_keys(bus, "req") == []

@@ -7,7 +7,7 @@
   ARGV[1] optional: the largest envelope, in bytes, to return; a larger one is left out, for
           the caller to GET (a large value costs Redis far more passing through Lua than as a
           plain reply: see scripts.INLINE_ENVELOPE). The record's `esz` tells the size; a
-          record without it (envelope of 16 KB or less) always has its envelope returned.
+          record without it (an envelope of 8 KB or less) always has its envelope returned.
 
   Returns {status, encoded request, owning agent, attempt, created ms, deadline ms, handoff id,
   from, to, routed, capability set, signature, server time ms, lease, left out}; the record's

@@ -53,7 +53,7 @@ if cap > 0 and redis.call('ZCARD', KEYS[3]) >= cap then
   if staged then redis.call('DEL', KEYS[6]) end
   return {-8}
 end
-local size = false  -- a large (staged) envelope's, for load to leave it to a plain GET
+local size = false  -- a staged envelope's, for reads to leave a large one to a plain GET
 if staged then
   size = redis.call('STRLEN', KEYS[6])  -- 0: gone (an envelope is never empty)
   if size == 0 then return {-10} end
