@@ -21,7 +21,7 @@ from .config import BusConfig
 from .embedded import EmbeddedCluster, EmbeddedServer
 from .errors import AuthenticationFailed, HandoffbusError, InvalidRequest, ServerUnavailable, ServerUnsupported
 from .forwarding import Outbox
-from .keys import GROUP, Keys
+from .keys import GROUP, Keys, RecordKeys
 from .models import HandoffRecord
 from .names import split_handoff_id
 from .plainreads import load_rows, refuses_scripts, server_time_ms, status_reply
@@ -441,18 +441,28 @@ class HandoffBus:
         if not handoff_ids:
             return []
         keys = [self.keys.record(*split_handoff_id(handoff_id)) for handoff_id in handoff_ids]
-        # an isolated agent reads a peer's record through the forwarder: the envelope must come with it
-        limit = [] if self._outbox is not None else [INLINE_ENVELOPE]
-        rows = await self.read_scripts([("load", [k.record, k.envelope], limit) for k in keys],
+        rows = await self.read_scripts([("load", [k.record, k.envelope], self._inline_limit()) for k in keys],
                                        lambda: load_rows(self.redis, keys))
         apart = [i for i, row in enumerate(rows) if row[14] == 1]
-        if apart:  # the large envelopes, by plain GET: one more round trip saves Redis far more work
-            for i, envelope in zip(apart, await self.scripts_many([("GET", [keys[i].envelope], []) for i in apart]),
-                                   strict=True):
-                if isinstance(envelope, BaseException):
-                    raise envelope
-                rows[i] = [rows[i][0], envelope, *rows[i][2:]]  # gone (None): a poison row, as inline
+        for i, envelope in zip(apart, await self._envelopes([keys[i] for i in apart]), strict=True):
+            rows[i] = [rows[i][0], envelope, *rows[i][2:]]  # gone (None): a poison row, as inline
         return [loaded_from_row(row, self.codec, self.keyring) for row in rows]
+
+    def _inline_limit(self) -> list[int]:
+        """The ``load`` and ``status`` argument that leaves an envelope over INLINE_ENVELOPE to
+        ``_envelopes``; none for an isolated agent, whose reads of a peer's records come whole
+        through the forwarder (which runs no plain command)."""
+        return [] if self._outbox is not None else [INLINE_ENVELOPE]
+
+    async def _envelopes(self, keys: Sequence[RecordKeys]) -> list[bytes | None]:
+        """Envelopes a read left out, by plain GET in one round trip (see scripts.INLINE_ENVELOPE)."""
+        if not keys:  # (the usual case: no round trip)
+            return []
+        envelopes = await self.scripts_many([("GET", [k.envelope], []) for k in keys])
+        for envelope in envelopes:
+            if isinstance(envelope, BaseException):
+                raise envelope
+        return envelopes
 
     async def read_record(self, handoff_id: str) -> tuple[int, bytes, HandoffRecord] | None:
         """(server now ms, response stream position, record) or None; expires the record if due
@@ -463,17 +473,13 @@ class HandoffBus:
         async def plain() -> list[Any]:
             return [await status_reply(self.redis, keys)]
 
-        args = [request_id, self.config.retention_ms, self.config.response_retention_ms]
-        if self._outbox is None:  # (an isolated agent's reads of a peer's records come whole)
-            args.append(INLINE_ENVELOPE)
-        [reply] = await self.read_scripts([("status", keys.as_list(), args)], plain)
+        [reply] = await self.read_scripts([("status", keys.as_list(), [
+            request_id, self.config.retention_ms, self.config.response_retention_ms, *self._inline_limit()])], plain)
         if reply[0] == -1:
             return None
         fields = dict(zip(reply[3::2], reply[4::2], strict=True))
         if b"env" not in fields and int(fields.get(b"esz") or 0) > INLINE_ENVELOPE:  # left out: a large one
-            [envelope] = await self.scripts_many([("GET", [keys.envelope], [])])
-            if isinstance(envelope, BaseException):
-                raise envelope
+            [envelope] = await self._envelopes([keys])
             if envelope is not None:  # (gone: malformed, as an inline one gone)
                 fields[b"env"] = envelope
         if reply[2] == 1 and fields.get(b"to"):

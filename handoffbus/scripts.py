@@ -99,8 +99,8 @@ class Command(Script):
 
     __slots__ = ()
 
-    def __init__(self, name: str, keys: int = 1) -> None:
-        self.name, self.keys, self.source, self.sha = name, keys, "", ""
+    def __init__(self, name: str) -> None:
+        self.name, self.keys, self.source, self.sha = name, 1, "", ""
 
 
 #: Passing through Lua, a value costs Redis 7.0 about 1.3 ns a byte (Lua's garbage collector

@@ -20,7 +20,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from .scripts import Script
 
-__all__ = ["Group", "Line", "ScriptCall", "exchange", "guard_key", "no_script", "pack_evalsha"]
+__all__ = ["Group", "Line", "ScriptCall", "exchange", "guard_key", "no_script", "pack_call", "pack_evalsha"]
 
 _ASKING = b"*1\r\n$6\r\nASKING\r\n"
 
@@ -36,12 +36,8 @@ def guard_key(key: str) -> str | None:
 
 def pack_evalsha(call: ScriptCall, guard: bool = False) -> bytes:
     """RESP for EVALSHA, by hiredis's packer (in C): redis-py's general packer costs several times
-    more per command. Arguments are str, bytes, int or float (TypeError otherwise). A plain
-    command (``scripts.Command``, no SHA) is packed as itself: its key is its slot's own."""
+    more per command. Arguments are str, bytes, int or float (TypeError otherwise)."""
     keys = call.keys
-    if not call.script.sha:
-        plain: bytes = pack_command((call.script.name, *keys, *call.args))
-        return plain
     if guard and keys:
         extra = guard_key(keys[0])
         if extra is not None:
@@ -110,14 +106,23 @@ def no_script(reply: Any) -> bool:
     return isinstance(reply, NoScriptError)
 
 
+def pack_call(call: ScriptCall, guard: bool = False) -> bytes:
+    """RESP for one batched call: EVALSHA, or a plain command (``scripts.Command``, no SHA) as
+    itself, which needs no guard key (its key is its slot's own)."""
+    if call.script.sha:
+        return pack_evalsha(call, guard)
+    plain: bytes = pack_command((call.script.name, *call.keys, *call.args))
+    return plain
+
+
 async def exchange(conn: Any, calls: list[ScriptCall], asking: list[bool] | None = None) -> list[Any]:
     """Write the calls as one write on one connection, then read one reply per call. On a
     cluster node (``asking`` given) each call declares its guard key, and a call marked in
     ``asking`` goes right after an ASKING, which applies to the next command only."""
     if asking is None:
-        data = b"".join(pack_evalsha(call) for call in calls)
+        data = b"".join(pack_call(call) for call in calls)
     else:  # a cluster node
-        data = b"".join((_ASKING if ask else b"") + pack_evalsha(call, guard=True)
+        data = b"".join((_ASKING if ask else b"") + pack_call(call, guard=True)
                         for call, ask in zip(calls, asking, strict=True))
     return await _round_trip(conn, data, len(calls), asking)
 
