@@ -1,7 +1,7 @@
 """Worker-process benchmark: handoffs served by real `handoffbus worker` processes.
 
     python benchmarks/bench_workers.py [--url URL] [--processes 1,4] [--n 5000] [--inflight 100]
-                                       [--concurrency 64] [--payload 1024] [--rounds 1]
+                                       [--concurrency INFLIGHT] [--payload 1024] [--rounds 1]
                                        [--json benchmarks/results/workers.json]
 
 Without ``--url`` an EmbeddedServer is started (unix socket) and stopped afterwards.
@@ -239,12 +239,15 @@ def main(argv: list[str] | None = None) -> int:
                              "isolated agents through a forwarder) handoffs (default direct,routed)")
     parser.add_argument("--n", type=int, default=5000, help="measured handoffs per run (default 5000)")
     parser.add_argument("--inflight", type=int, default=100, help="outstanding handoffs (default 100)")
-    parser.add_argument("--concurrency", type=int, default=64, help="--concurrency of each worker (default 64)")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="--concurrency of each worker (default: --inflight, so one worker can hold the window)")
     parser.add_argument("--payload", type=int, default=1024, help="context bytes (default 1024)")
     parser.add_argument("--warmup", type=int, default=1000, help="warm-up handoffs per run (default 1000)")
     parser.add_argument("--rounds", type=int, default=1, help="measured rounds per run; the median is shown")
     parser.add_argument("--json", default="benchmarks/results/workers.json", help="where to write the results")
     args = parser.parse_args(argv)
+    if args.concurrency is None:
+        args.concurrency = args.inflight
     try:
         args.processes = [int(p) for p in args.processes.split(",")]
     except ValueError:

@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--n", type=int, default=5000, help="measured handoffs of the base cases (default 5000)")
     parser.add_argument("--rounds", type=int, default=1, help="measured rounds per case; the median is shown")
-    parser.add_argument("--concurrency", type=int, default=64, help="--concurrency of each worker (default 64)")
+    parser.add_argument("--concurrency", type=int, default=100,
+                        help="--concurrency of each worker (default 100: one worker can hold a case's 100 in flight)")
     parser.add_argument("--warmup", type=int, default=1000, help="warm-up handoffs per case (default 1000)")
     parser.add_argument("--queued", type=int, default=10_000,
                         help="requests outstanding in the queued case (default 10,000)")
