@@ -32,7 +32,7 @@ from .scripts import INLINE_ENVELOPE, Script, Scripts
 from .signing import Keyring
 from .stats import StatsFlusher, Tally
 from .sweeper import Sweeper
-from .waiters import ResponseReader, Waiter
+from .waiters import ResponseReader, Waiter, clock
 from .wire import Line
 
 __all__ = ["HandoffBus"]
@@ -146,9 +146,11 @@ class HandoffBus:
         self.router = Router(self)
         self._known_requesters: set[str] = set()
         self._known_targets: set[str] = set()
-        #: set once the server refused this bus's user its scripts (a read-only user, such as
-        #: acl.py's monitor): records are read with plain commands from then on
+        #: set while the server refuses this bus's user its scripts (a read-only user, such as
+        #: acl.py's monitor): records are read with plain commands, and the scripts are tried
+        #: again from ``_scripts_again_at`` (clock time) on
         self.plain_reads = False
+        self._scripts_again_at = 0.0
         self.sweeper = Sweeper(self)
         #: counts of the transitions and expiries this process makes, added to the agents'
         #: stats hashes every second (see stats.py)
@@ -239,7 +241,7 @@ class HandoffBus:
                 try:
                     await self.scripts.load_all(self.redis)
                 except NoPermissionError:  # a read-only user, like acl.py's monitor: it reads plainly
-                    self.plain_reads = True
+                    self._read_plainly()
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             self._batcher = ScriptBatcher(self.redis, self.scripts, reload=reload, lines=self._lines)
             await self._tg.start(self._batcher.run)
@@ -493,16 +495,23 @@ class HandoffBus:
         user EVALSHA itself, what ``plain`` reads with plain commands (plainreads.py): from then
         on this bus reads plainly. A key it may not reach is refused to plain reads as well, and
         an isolated agent's reads of its peers go through the forwarder: never plain."""
-        if not self.plain_reads:
+        if not self.plain_reads or clock() >= self._scripts_again_at:
             replies = await self.scripts_many(calls)
             if self._outbox is None and any(map(refuses_scripts, replies)):
-                self.plain_reads = True
+                self._read_plainly()
             else:
+                if self.plain_reads:
+                    log.info("this bus's user may run scripts again: reading with them")
+                    self.plain_reads = False
                 for reply in replies:
                     if isinstance(reply, BaseException):
                         raise reply
                 return replies
         return await plain()
+
+    def _read_plainly(self) -> None:
+        self.plain_reads = True
+        self._scripts_again_at = clock() + self.config.scripts_recheck
 
     async def server_time_ms(self) -> int:
         return await server_time_ms(self.redis)

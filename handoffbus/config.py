@@ -41,6 +41,10 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
     sweep_lease: float = 2.0
     sweep_batch: int = 500
     read_block: float = 5.0
+    #: a bus whose user the server refuses scripts (acl.py's monitor) reads with plain
+    #: commands and does not sweep; this long after a refusal it tries the scripts again, so
+    #: that widening the user's ACL takes effect without a restart
+    scripts_recheck: float = 60.0
     #: capability routing: what one priority level is worth in waiting time (the ageing that
     #: keeps low priorities moving), how long an offer to a chosen agent stands before it is
     #: routed elsewhere, how long a pulling worker's claim lasts, and the routing guard
@@ -58,8 +62,8 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not isinstance(self.prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.prefix):
             raise InvalidRequest(f"invalid key prefix {self.prefix!r}: use letters, digits, '_.-'")
         for name in ("default_timeout", "max_timeout", "record_retention", "response_retention",
-                     "sweep_interval", "sweep_lease", "read_block", "route_age_step", "offer_time",
-                     "route_claim", "route_guard"):
+                     "sweep_interval", "sweep_lease", "read_block", "scripts_recheck", "route_age_step",
+                     "offer_time", "route_claim", "route_guard"):
             check_seconds(name, getattr(self, name))
         if self.default_timeout > self.max_timeout:
             raise InvalidRequest("default_timeout exceeds max_timeout")

@@ -46,14 +46,22 @@ class Sweeper:
         self.backlog = False
         self._scope: anyio.CancelScope | None = None
         self._stopped = anyio.Event()
+        #: the server refused this bus's user the sweep's scripts (a read-only user); it tries
+        #: again every ``scripts_recheck``
+        self.refused = False
+        self._refused_event = anyio.Event()
 
     async def wait_pass(self) -> None:
         """Return when this bus finishes its next sweep pass (expiry and queue settlement)."""
         await self._pass_done.wait()
 
     async def wait_stopped(self) -> None:
-        """Return once the sweep has ended: the bus closed, or its user may not run scripts."""
+        """Return once the sweep has ended: the bus closed."""
         await self._stopped.wait()
+
+    async def wait_refused(self) -> None:
+        """Return once the server has refused this bus's user the sweep's scripts."""
+        await self._refused_event.wait()
 
     async def hold_lease(self) -> bool:
         bus = self._bus
@@ -147,15 +155,25 @@ class Sweeper:
     async def _loop(self) -> None:
         while True:
             try:
-                if await self.hold_lease():
+                held = await self.hold_lease()
+                if self.refused:
+                    self.refused = False
+                    log.info("expiry sweep: this bus's user may run scripts again; sweeping")
+                if held:
                     await self.sweep_once()
                     self.passes += 1
                     self._pass_done.set()
                     self._pass_done = anyio.Event()
             except (RedisError, OSError) as exc:
                 if refuses_scripts(exc):  # a read-only user (acl.py's monitor): others sweep
-                    log.info("expiry sweep: this bus's user may not run scripts; not sweeping")
-                    return
+                    recheck = self._bus.config.scripts_recheck
+                    if not self.refused:
+                        log.info("expiry sweep: this bus's user may not run scripts; not sweeping "
+                                 "(trying again every %g s)", recheck)
+                    self.refused = True
+                    self._refused_event.set()
+                    await anyio.sleep(recheck)  # a timer: until an operator may have widened the ACL
+                    continue
                 self.backlog = False
                 log.warning("expiry sweep failed (%s); retrying", exc)
             except Exception:  # e.g. a record written by hand: the sweep goes on for the others

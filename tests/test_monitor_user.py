@@ -22,22 +22,23 @@ from .conftest import make_bus, new_prefix
 pytestmark = pytest.mark.anyio
 
 
+def on_every_node(server: EmbeddedServer | EmbeddedCluster, *command: str) -> None:
+    for node in server.nodes if isinstance(server, EmbeddedCluster) else [server]:
+        with redis.Redis(unix_socket_path=str(node.socket_path)) as admin:
+            admin.execute_command(*command)
+
+
 @contextmanager
 def monitor_url(server: EmbeddedServer | EmbeddedCluster, user: AclUser) -> Iterator[str]:
     """Create ``user`` on the server (every node of a cluster); the URL to connect as it."""
-    nodes = server.nodes if isinstance(server, EmbeddedCluster) else [server]
-    admins = [redis.Redis(unix_socket_path=str(node.socket_path)) for node in nodes]
     try:
-        for admin in admins:
-            admin.execute_command(*user.setuser())
+        on_every_node(server, *user.setuser())
         if isinstance(server, EmbeddedCluster):
             yield f"redis+cluster://{user.name}:{user.password}@127.0.0.1:{server.nodes[0].port}"
         else:
             yield f"unix://{user.name}:{user.password}@{server.socket_path}"
     finally:
-        for admin in admins:
-            admin.execute_command("ACL", "DELUSER", user.name)
-            admin.close()
+        on_every_node(server, "ACL", "DELUSER", user.name)
 
 
 async def test_the_monitor_user_reads_what_the_scripts_read(real_backend: str, servers: dict) -> None:
@@ -74,7 +75,7 @@ async def read_as_monitor(real_backend: str, servers: dict, prefix: str, url: st
             views = await observe_agents(monitor, ["bob"])
             pending = await monitor.client("ops").get_pending_handoffs("bob")
             with anyio.fail_after(5):
-                await monitor.sweeper.wait_stopped()  # refused the lease script: it leaves sweeping to others
+                await monitor.sweeper.wait_refused()  # refused the lease script: it leaves sweeping to others
             assert monitor.plain_reads and not admin.plain_reads
             assert monitor.sweeper.passes == 0
         assert [found[2].status for found in seen if found] == [HandoffStatus.PENDING] * 3
@@ -96,3 +97,31 @@ async def read_as_monitor(real_backend: str, servers: dict, prefix: str, url: st
             if hid != due.handoff_id:
                 assert found[2] == expected[2]
         assert (await admin.read_record(due.handoff_id) or (0, b"", None))[2].status is HandoffStatus.EXPIRED
+
+
+async def test_a_bus_runs_scripts_again_once_its_user_is_widened(real_backend: str, servers: dict) -> None:
+    """A bus refused scripts tries them again every ``scripts_recheck``: once an operator widens
+    its user's ACL, it sweeps and reads with the scripts, without a restart."""
+    prefix, server = new_prefix(), servers[real_backend]
+    user = monitor_user(prefix)
+    with monitor_url(server, user) as url:
+        async with make_bus(real_backend, servers, prefix=prefix, sweep_interval=3600) as admin:
+            handle = await admin.client("alice").request_handoff(
+                HandoffRequest(from_agent="alice", to_agent="bob", reason="a"))
+            keys = admin.keys.record("alice", handle.handoff_id.split("/")[1])
+            await admin.redis.hset(keys.record, "deadline", await admin.redis.hget(keys.record, "created"))
+            await admin.redis.delete(keys.marker)  # overdue, and no sweep has seen it
+        async with HandoffBus.connect(url, prefix=prefix, scripts_recheck=0.2) as monitor:
+            found = await monitor.read_record(handle.handoff_id)
+            assert monitor.plain_reads and found is not None and found[2].status is HandoffStatus.PENDING
+            with anyio.fail_after(5):
+                await monitor.sweeper.wait_refused()
+            on_every_node(server, "ACL", "SETUSER", user.name, "+@all", f"~{prefix}:*")
+            with anyio.fail_after(10):
+                await monitor.sweeper.wait_pass()  # it sweeps: the overdue handoff expires
+                while monitor.plain_reads:
+                    found = await monitor.read_record(handle.handoff_id)
+                    await monitor.sweeper.wait_pass()  # a sweep interval: the reads' recheck falls due
+            assert monitor.sweeper.passes > 0 and not monitor.sweeper.refused
+            found = await monitor.read_record(handle.handoff_id)
+            assert found is not None and found[2].status is HandoffStatus.EXPIRED
