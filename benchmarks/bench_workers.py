@@ -106,10 +106,17 @@ async def stop_workers(procs: list[Process]) -> list[int]:
     return codes
 
 
+#: where a handoff's time goes: until request_handoff returns; from then until the server
+#: wrote ACCEPTED; until it wrote COMPLETED; until the requester heard it. The middle two are
+#: Redis TIME, set against this host's clock: right only with the server on this host.
+STAGES = ("request", "to accepted", "to completed", "heard")
+
+
 async def handoff_round(bus: HandoffBus, n: int, inflight: int, context: bytes, routed: bool) -> dict[str, Any]:
     requester = bus.client(REQUESTER)
     decision_lat: list[float] = []
     outcome_lat: list[float] = []
+    stages: list[tuple[float, float, float, float]] = []
     problems: Counter[str] = Counter()
     issued = 0
 
@@ -123,12 +130,16 @@ async def handoff_round(bus: HandoffBus, n: int, inflight: int, context: bytes, 
                 context_snapshot=context,
                 capabilities_required=["echo"], timeout=60,
             ))
+            requested, requested_at = time.perf_counter(), time.time()
             decision = await handle.decision()
             t1 = time.perf_counter()
             outcome = await handle.outcome()
-            t2 = time.perf_counter()
+            t2, heard_at = time.perf_counter(), time.time()
             decision_lat.append(t1 - t0)
             outcome_lat.append(t2 - t0)
+            accepted_at, completed_at = decision.timestamp_ms / 1000, outcome.timestamp_ms / 1000
+            stages.append((requested - t0, accepted_at - requested_at, completed_at - accepted_at,
+                           heard_at - completed_at))
             if decision.status is not HandoffStatus.ACCEPTED or outcome.status is not HandoffStatus.COMPLETED:
                 problems[f"{decision.status}/{outcome.status}"] += 1
 
@@ -139,6 +150,7 @@ async def handoff_round(bus: HandoffBus, n: int, inflight: int, context: bytes, 
     elapsed = time.perf_counter() - t0
     return {"n": n, "seconds": round(elapsed, 4), "handoffs_per_s": round(n / elapsed, 1),
             "decision_ms": latency_ms(decision_lat), "outcome_ms": latency_ms(outcome_lat),
+            "stages_ms": {name: latency_ms(s[i] for s in stages) for i, name in enumerate(STAGES)},
             "problems": dict(problems)}
 
 
@@ -226,6 +238,8 @@ def render(result: dict[str, Any]) -> str:
             f" server {cpu['server']:.0f}  exit codes {r['exit_codes']}"
             + (f"  PROBLEMS {r['problems']}" if r["problems"] else "")
         )
+        lines.append("            stages p50 ms: " + ", ".join(
+            f"{name} {r['stages_ms'][name]['p50']:.1f}" for name in STAGES))
     if env.get("loadavg_after"):
         lines.append("load avg    " + " ".join(f"{x:.2f}" for x in env["loadavg_after"]))
     return "\n".join(lines)

@@ -268,6 +268,9 @@ def render(result: dict[str, Any]) -> str:
             f"{c['outcome_ms']['p50']:>11.1f} /{c['outcome_ms']['p99']:>8.1f} "
             f"{cpu['requester']:>11.0f} /{cpu['workers']:>6.0f} /{cpu['server']:>6.0f}  {c['exit_codes']}"
             + (f"  PROBLEMS {c['problems']}" if c["problems"] else ""))
+    direct = result["cases"][0]["stages_ms"]
+    lines += ["", "where a direct handoff's time goes, p50 ms (server times are Redis TIME): "
+              + ", ".join(f"{name} {stage['p50']:.1f}" for name, stage in direct.items())]
     commands, memory = result["commands"], result["memory"]
     lines += ["", f"commands per lifecycle (server MONITOR, all processes, scripts' inner calls left out): "
               f"{commands['per_lifecycle']:.2f} = " + ", ".join(f"{k} {v:.2f}" for k, v in

@@ -34,6 +34,11 @@ def test_worker_process_benchmark_runs(tmp_path: Path) -> None:
         assert r["problems"] == {} and r["n"] == 200 and r["handoffs_per_s"] > 0
         # every worker (and an isolated run's forwarder) stopped cleanly on SIGTERM
         assert r["exit_codes"] == [0] * (r["processes"] + (r["mode"] == "isolated"))
+        # each handoff's stages add up to its outcome latency (the server's ms are whole)
+        stages = r["stages_ms"]
+        assert list(stages) == ["request", "to accepted", "to completed", "heard"]
+        assert stages["request"]["p50"] > 0 and stages["to completed"]["p50"] >= 0
+        assert all(-2 <= stage["p50"] <= stage["max"] <= r["outcome_ms"]["max"] + 2 for stage in stages.values())
 
 
 def test_the_suite_runs_every_case(tmp_path: Path) -> None:
