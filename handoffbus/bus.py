@@ -493,8 +493,9 @@ class HandoffBus:
     ) -> list[Any]:
         """The replies of read scripts (the first error raised), or, once the server refused this
         user EVALSHA itself, what ``plain`` reads with plain commands (plainreads.py): from then
-        on this bus reads plainly. A key it may not reach is refused to plain reads as well, and
-        an isolated agent's reads of its peers go through the forwarder: never plain."""
+        on this bus reads plainly, and tries the scripts again every ``scripts_recheck``. A key
+        it may not reach is refused to plain reads as well, and an isolated agent's reads of its
+        peers go through the forwarder: never plain."""
         if not self.plain_reads or clock() >= self._scripts_again_at:
             replies = await self.scripts_many(calls)
             if self._outbox is None and any(map(refuses_scripts, replies)):
