@@ -28,7 +28,7 @@ import anyio
 from redis.exceptions import AskError, MaxConnectionsError, MovedError, RedisError, TryAgainError
 
 from .errors import HandoffbusError
-from .scripts import Reload, Script
+from .scripts import Command, Reload, Script
 from .wire import ScriptCall, exchange, no_script
 
 __all__ = ["ClusterSender", "is_cluster"]
@@ -78,15 +78,19 @@ class Run:
     go to different nodes (a request's record is written before its handoff is queued on the
     target's node, where a worker could otherwise take it and find no record). Consecutive
     calls of one script share a wave: each acts on its own slot alone (one record, one
-    queue), and none of them waits for another. After a failed call, the calls of the later
-    waves are not sent: they get its error."""
+    queue), and none of them waits for another. So does a call after plain commands in its
+    own slot (a staged envelope's SET, then its ``request``): one node runs them in order on
+    one connection, and a redirect cannot put the call first, as a single-key command is
+    never answered TRYAGAIN (the call may be parked; the SET, done or sent again at once,
+    stays ahead). After a failed call, the calls of the later waves are not sent: they get
+    its error."""
 
     __slots__ = ("at", "waves")
 
     def __init__(self, calls: list[ScriptCall]) -> None:
         self.waves: list[list[ScriptCall]] = []
         for call in calls:
-            if self.waves and self.waves[-1][-1].script is call.script:
+            if self.waves and _joins(self.waves[-1], call):
                 self.waves[-1].append(call)
             else:
                 self.waves.append([call])
@@ -111,6 +115,12 @@ class Run:
 
     def calls(self) -> list[ScriptCall]:
         return [call for wave in self.waves for call in wave]
+
+
+def _joins(wave: list[ScriptCall], call: ScriptCall) -> bool:
+    if wave[-1].script is call.script:
+        return True
+    return all(isinstance(c.script, Command) and c.slot == call.slot for c in wave)
 
 
 def runs_of(batch: list[ScriptCall]) -> list[Run]:
