@@ -443,7 +443,8 @@ class HandoffBus:
         if not handoff_ids:
             return []
         keys = [self.keys.record(*split_handoff_id(handoff_id)) for handoff_id in handoff_ids]
-        rows = await self.read_scripts([("load", [k.record, k.envelope], self._inline_limit()) for k in keys],
+        limit = self._inline_limit()
+        rows = await self.read_scripts([("load", [k.record, k.envelope], limit) for k in keys],
                                        lambda: load_rows(self.redis, keys))
         apart = [i for i, row in enumerate(rows) if row[14] == 1]
         for i, envelope in zip(apart, await self._envelopes([keys[i] for i in apart]), strict=True):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -246,6 +246,18 @@ class Busy(Agent):
         return {"n": handoff.request.reason}
 
 
+def watch_exchanges(monkeypatch: pytest.MonkeyPatch, seen: Callable[[list[Any], list[Any]], None]) -> None:
+    """Tell ``seen`` of every exchange the bus has with a node: its calls and their replies."""
+    exchange = clustering.exchange
+
+    async def watched(conn: Any, calls: list[Any], asking: list[bool] | None = None) -> list[Any]:
+        replies = await exchange(conn, calls, asking)
+        seen(calls, replies)
+        return replies
+
+    monkeypatch.setattr(clustering, "exchange", watched)
+
+
 class SlotWatch:
     """What the script calls the bus sends to one slot are answered, while it is watched (not
     a plain command's: a staged envelope's SET, a single key, is served on a split slot)."""
@@ -313,14 +325,7 @@ async def test_migrating_the_slot_of_a_busy_agent_under_load_loses_and_doubles_n
     migrations: list[tuple[str, int, int, int, float]] = []
     under_way, migrated = anyio.Event(), anyio.Event()
     watch, split = SlotWatch(), Counter[str]()
-    exchange = clustering.exchange
-
-    async def watched(conn: Any, calls: list[Any], asking: list[bool] | None = None) -> list[Any]:
-        replies = await exchange(conn, calls, asking)
-        watch.seen(calls, replies)
-        return replies
-
-    monkeypatch.setattr(clustering, "exchange", watched)
+    watch_exchanges(monkeypatch, watch.seen)
 
     async with admin(cluster) as nodes, HandoffBus.connect(cluster.url, prefix=prefix) as bus:
 
@@ -416,15 +421,13 @@ async def test_a_staged_envelope_shares_its_request_scripts_round_trip(
     """A large request's SET goes to the node of its record together with the ``request``
     script, in one exchange: no round trip more than a small request's (then the enqueue)."""
     sent: list[list[str]] = []
-    exchange = clustering.exchange
 
-    async def watched(conn: Any, calls: list[Any], asking: list[bool] | None = None) -> list[Any]:
+    def seen(calls: list[Any], _replies: list[Any]) -> None:
         names = [call.script.name for call in calls if call.script.name in ("SET", "request", "enqueue")]
         if names:  # not the sweep's and the stats' calls, which may share an exchange
             sent.append(names)
-        return await exchange(conn, calls, asking)
 
-    monkeypatch.setattr(clustering, "exchange", watched)
+    watch_exchanges(monkeypatch, seen)
     prefix = new_prefix()
     async with HandoffBus.connect(cluster.url, prefix=prefix) as bus:
         client = bus.client("req")
