@@ -117,3 +117,24 @@ async def test_poison_entries_do_not_hold_up_the_others(real_backend: str, serve
     assert set(dead) == {"req/bad", crashy.handoff_id} and dead[crashy.handoff_id].deliveries == 8
     # the others unaffected: within twice the slower clean burst's p99, with 100 ms for a busy machine
     assert p99_poisoned <= 2 * p99_clean + 0.1
+
+
+async def test_a_dead_letter_after_the_group_was_restored_leaves_no_entry_behind(bus: HandoffBus) -> None:
+    """A worker dead-letters what it took, but the group was deleted and restored meanwhile:
+    the handoff's entry is the re-issued one now, and that is the one acknowledged and deleted
+    (the taken entry's id names nothing any more)."""
+    client = bus.client("req")
+    handle = await client.request_handoff(req("req", "echo-1", reason="poison"))
+    ghost = Inbox(bus, "echo-1", "ghost")
+    _, [taken] = await ghost.take(1)
+    keys = bus.keys.target("echo-1")
+    assert await bus.redis.xgroup_destroy(keys.inbox, "workers") == 1
+    assert await ghost.restore() == 1
+    [reissued] = (await ghost.entries([handle.handoff_id])).values()
+    assert reissued != taken.entry_id
+    await ghost.dead_letter(taken, "no request", 1)
+    [dead] = await client.get_dead_letters("echo-1")
+    assert dead.handoff_id == handle.handoff_id
+    assert await bus.redis.xlen(keys.inbox) == 0  # no entry left for a reclaim to deliver again
+    assert (await bus.redis.xpending(keys.inbox, "workers"))["pending"] == 0
+    assert await bus.redis.hlen(keys.inflight) == 0

@@ -10,9 +10,15 @@
   ARGV[4] reason           ARGV[5] deliveries   ARGV[6] consumer   ARGV[7] dead-letter cap (MAXLEN ~)
 
   Returns the dead-letter entry id.
+
+  The in-flight index's entry goes too: if the group was deleted and restored since the
+  handoff was taken, that is the re-issued one, and ARGV[3] names nothing any more.
 ]]
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
-redis.call('XDEL', KEYS[1], ARGV[3])
+local ids = {ARGV[3]}
+local current = redis.call('HGET', KEYS[2], ARGV[2])
+if current and current ~= ARGV[3] then ids[2] = current end
+redis.call('XACK', KEYS[1], ARGV[1], unpack(ids))
+redis.call('XDEL', KEYS[1], unpack(ids))
 redis.call('HDEL', KEYS[2], ARGV[2])
 return redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*', 'h', ARGV[2], 'entry', ARGV[3],
   'reason', ARGV[4], 'deliveries', ARGV[5], 'consumer', ARGV[6])
