@@ -241,7 +241,7 @@ class HandoffClient:
             raise_for_code(code, handoff_id, self.agent_id, "request", None)
         if enqueued == QUEUE_FULL:
             let_go()
-            if code == 1:  # created by this call: take it back, so that nothing is left behind
+            if code == 1:  # created by this call: take it back (unless a resubmission joined it since)
                 await bus.script("withdraw", keys.as_list(), [request.request_id])
             raise_for_code(QUEUE_FULL, handoff_id, self.agent_id, "request", request.to_agent.encode())
         if code == 1:  # a new handoff ("" for a routed one: counted by listeners, not in Redis)

@@ -10,6 +10,7 @@ import pytest
 
 from handoffbus import HandoffBus, HandoffRequest, HandoffStatus, InvalidRequest, QueueFull, RequestConflict
 from handoffbus.routing import set_id
+from handoffbus.workers.inbox import Inbox
 
 from .conftest import make_bus
 from .helpers import req
@@ -89,3 +90,35 @@ async def test_the_request_says_why_before_a_full_queue_does(backend: str, serve
         with pytest.raises(QueueFull):  # a new request does meet the full queue
             await alice.request_handoff(req("alice", "bob", request_id="r3"))
         assert await alice.get_handoff_status("alice/r3") is None
+
+
+async def test_a_resubmission_that_joined_a_handoff_keeps_it_when_its_creator_withdraws(
+    backend: str, servers: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The creator meets a full queue and takes its new record back; the same request, sent
+    again in between, found that record PENDING and queued it once there was room. The record
+    stays, for the resubmission's handle to hear its outcome."""
+    async with make_bus(backend, servers, max_queued=1) as bus:
+        alice, bob = bus.client("alice"), bus.client("bob")
+        filler = await alice.request_handoff(req("alice", "bob", request_id="filler"))  # bob's queue is full
+        joined = []
+        script = bus.script
+
+        async def resubmitted_before_the_withdraw(name: str, keys: list[str], args: list[Any]) -> Any:
+            if name == "withdraw" and not joined:
+                await bus.redis.zrem(bus.keys.target("bob").queue, filler.handoff_id)  # room again
+                joined.append(await alice.request_handoff(req("alice", "bob", request_id="r1")))
+            return await script(name, keys, args)
+
+        monkeypatch.setattr(bus, "script", resubmitted_before_the_withdraw)
+        with pytest.raises(QueueFull):
+            await alice.request_handoff(req("alice", "bob", request_id="r1"))
+        [handle] = joined
+        record = await alice.get_handoff_status(handle.handoff_id)
+        assert record is not None and record.status is HandoffStatus.PENDING
+        _, [taken] = await Inbox(bus, "bob", "w").take(5)
+        assert taken.handoff_id == handle.handoff_id
+        await bob.accept_handoff(handle.handoff_id)
+        await bob.complete_handoff(handle.handoff_id, result="done")
+        with anyio.fail_after(5):
+            assert (await handle.outcome()).result == "done"

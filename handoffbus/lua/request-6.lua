@@ -23,8 +23,9 @@
 
   Returns:
     {1, 'PENDING', now ms, deadline ms, last response id}  created; the marker expires at the deadline
-    {0, current status, now ms, deadline ms, last response id}  the same request exists (nothing written,
-       unless its deadline had passed: then it is made EXPIRED and EXPIRED is emitted)
+    {0, current status, now ms, deadline ms, last response id}  the same request exists (a PENDING one is
+       marked `joined`, so that its creator's `withdraw` leaves it to this caller; if its deadline had
+       passed, it is made EXPIRED and EXPIRED is emitted)
     {-5} the request id exists with a different request (another fingerprint)
     {-8} the requester is at its cap of undecided handoffs (nothing written)
     {-10} the staged envelope is gone (nothing written)
@@ -45,6 +46,7 @@ if existing.status then
   if existing.fp ~= fingerprint then return {-5} end
   local now = now_ms()
   expire_if_due(KEYS, existing, request_id, now, retention_ms, response_retention_ms)
+  if existing.status == 'PENDING' then redis.call('HSET', KEYS[1], 'joined', '1') end
   return {0, existing.status, fmt(now), existing.deadline, last_response_id(KEYS[4])}
 end
 

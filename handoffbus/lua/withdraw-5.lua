@@ -7,9 +7,11 @@
   KEYS[5] request envelope
   ARGV[1] request id
 
-  Returns 1 removed, 0 it was no longer PENDING (left alone).
+  Returns 1 removed, 0 left alone: no longer PENDING, or `joined` (the same request was sent
+  again meanwhile and found it PENDING: that caller may have queued it and awaits it).
 ]]
-if redis.call('HGET', KEYS[1], 'status') ~= 'PENDING' then return 0 end
+local rec = redis.call('HMGET', KEYS[1], 'status', 'joined')
+if rec[1] ~= 'PENDING' or rec[2] then return 0 end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[5])
 redis.call('ZREM', KEYS[3], ARGV[1], 'o:' .. ARGV[1])
 return 1
