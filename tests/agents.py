@@ -114,6 +114,20 @@ class Sleepy(Agent):
         return {"attempt": handoff.attempt, "by": "sleepy"}
 
 
+class Rival(Agent):
+    """Another worker of gated-1's agent: it takes over any entry left idle."""
+
+    agent_id = "gated-1"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        self.seen.append(handoff.handoff_id)
+        return "rival"
+
+
 class Quick(Agent):
     """The same agent id as Sleepy, finishing at once: the live worker that takes over."""
 

@@ -4,35 +4,19 @@ live handlers keep their work, a dead worker's work is taken over, and nothing s
 
 from __future__ import annotations
 
-from typing import Any
-
 import anyio
 import pytest
 
 from handoffbus import HandoffBus, HandoffStatus
 from handoffbus.keys import GROUP
-from handoffbus.workers import Agent, ReceivedHandoff, Worker
+from handoffbus.workers import Worker
 
-from .agents import Gated, Quick
+from .agents import Gated, Quick, Rival
 from .conftest import make_bus
 from .helpers import req, response_statuses, start_worker
 
 pytestmark = pytest.mark.anyio
 S = HandoffStatus
-
-
-class Rival(Agent):
-    """Another worker of gated-1's agent: it would take over any entry left idle."""
-
-    agent_id = "gated-1"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
-        self.seen.append(handoff.handoff_id)
-        return "rival"
 
 
 async def delete(bus: HandoffBus, agent: str, what: str) -> None:

@@ -8,9 +8,10 @@ import anyio
 import pytest
 
 from handoffbus import HandoffBus, HandoffStatus
+from handoffbus.keys import GROUP
 from handoffbus.workers import Worker
 
-from .agents import Quick, Sleepy
+from .agents import Gated, Quick, Rival, Sleepy
 from .conftest import make_bus
 from .helpers import req, response_statuses, start_worker
 
@@ -133,3 +134,36 @@ async def test_a_worker_resumes_by_itself_after_the_server_restarts(real_backend
         assert all(o.status is HandoffStatus.COMPLETED for o in outcomes)
         record = await client.get_handoff_status(before[0].handoff_id)
         assert record is not None and record.status is HandoffStatus.COMPLETED  # survived the restart
+
+
+async def test_a_worker_that_loses_the_accept_leaves_the_winners_entry(backend: str, servers: dict) -> None:
+    """A slow worker's entry is claimed by another worker of the agent, which accepts. The slow
+    one's accept is refused; it must not settle the entry the winner works under, or a winner
+    that then stops would leave the handoff ACCEPTED with nothing to reclaim it."""
+    async with make_bus(backend, servers) as bus:
+        client = bus.client("req")
+        handle = await client.request_handoff(req("req", "gated-1", reason="twice"))
+        slow = Gated(hold_in_acceptance=True)
+        slow.want = 1
+        keys = bus.keys.target("gated-1")
+        async with anyio.create_task_group() as tg:
+            loser = Worker(bus, slow, consumer="slow", reclaim_idle=60)  # no heartbeat in this test
+            await tg.start(loser.run)
+            with anyio.fail_after(10):
+                await slow.reached.wait()
+            [entry] = (await bus.redis.hgetall(keys.inflight)).values()
+            await bus.redis.xclaim(keys.inbox, GROUP, "winner", 0, [entry])  # what an idle claim does
+            await bus.client("gated-1")._transition("accept", handle.handoff_id, {"lease": "winner"}, settle=False)
+            slow.gate.set()  # the slow worker's accept now meets ACCEPTED
+            loser.drain()  # returns once its handler ended and what it finished is settled
+        pending = await bus.redis.xpending_range(keys.inbox, GROUP, min="-", max="+", count=10)
+        assert [(p["message_id"], p["consumer"]) for p in pending] == [(entry, b"winner")]
+        rival = Rival()  # the winner stopped: a live worker takes its work over
+        async with anyio.create_task_group() as tg:
+            rescuer = Worker(bus, rival, consumer="rescuer", reclaim_idle=0.2)
+            await tg.start(rescuer.run)
+            with anyio.fail_after(10):
+                outcome = await handle.outcome()
+            rescuer.drain()
+    assert outcome.status is HandoffStatus.COMPLETED and outcome.result == "rival"
+    assert rival.seen == [handle.handoff_id]

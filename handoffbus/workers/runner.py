@@ -475,8 +475,12 @@ class Worker:
             self._log.info("%s: %s was taken over by another worker; dropping this attempt", self.consumer, hid,
                            extra={"handoff_id": hid})
             after = "keep pending"  # its entry belongs to the new holder now
-        except (InvalidTransition, NotPermitted):
-            after = "settle"  # cancelled, expired or finished meanwhile; or a routed offer that lapsed
+        except InvalidTransition as exc:
+            after = "keep pending"  # until known: its entry may be another worker's now
+            if exc.current != HandoffStatus.ACCEPTED.value or not await self._accepted_here(hid):
+                after = "settle"  # cancelled, expired or finished meanwhile; or another agent took it
+        except NotPermitted:
+            after = "settle"  # a routed offer that lapsed
         except Exception:
             self._log.exception("%s: handling %s failed; it stays pending", self.consumer, hid,
                                 extra={"handoff_id": hid})
@@ -491,6 +495,13 @@ class Worker:
             elif after == "give back" and row is not None and row.request is not None:
                 self._give_back.append((hid, row.request.priority))
             self._changed.set()
+
+    async def _accepted_here(self, hid: str) -> bool:
+        """Whether a handoff this worker could not decide was accepted by this agent: another of
+        its workers claimed the entry while this one was slow, and works under it now (settled
+        from here, it would be acknowledged under that worker, and never reclaimed if it stops)."""
+        [row] = await self._inbox.load([hid])
+        return row is not None and row.status is HandoffStatus.ACCEPTED and row.agent == self.agent.agent_id
 
     async def _take_over(self, hid: str, *, retry: bool = False) -> int:
         """Hold the handoff's lease for a new run of its work; returns the attempt number.
