@@ -48,11 +48,29 @@ async def test_a_handoff_given_back_is_settled_and_queued_in_one_step(bus: Hando
     _, taken = await inbox.take(1)
     [delivery] = taken
     keys = bus.keys.target("b")
-    await inbox.requeue(delivery.handoff_id, 0)
+    assert await inbox.requeue(delivery.handoff_id, 0) is True
     assert await bus.redis.hlen(keys.inflight) == 0
     assert (await bus.redis.xpending(keys.inbox, GROUP))["pending"] == 0
     # back in the queue, behind the handoffs of its priority that waited meanwhile
     assert await bus.redis.zrange(keys.queue, 0, -1) == [b"a/r1", b"a/r2", b"a/r0"]
+
+
+async def test_a_handoff_claimed_by_another_worker_is_not_given_back(bus: HandoffBus) -> None:
+    """A worker stopped while its acceptance hook ran gives the handoff back; but another worker
+    claimed the entry meanwhile (the first was slow) and may be working under it: left alone.
+    An entry restored after the group was deleted, not yet adopted, is still the first's."""
+    await bus.client("a").request_handoff(req("a", "b", request_id="r0"))
+    slow, keys = Inbox(bus, "b", "slow"), bus.keys.target("b")
+    _, [delivery] = await slow.take(1)
+    await bus.redis.xclaim(keys.inbox, GROUP, "other", 0, [delivery.entry_id])
+    assert await slow.requeue(delivery.handoff_id, 0) is False
+    pending = await bus.redis.xpending_range(keys.inbox, GROUP, min="-", max="+", count=10)
+    assert [(p["message_id"].decode(), p["consumer"]) for p in pending] == [(delivery.entry_id, b"other")]
+    assert await bus.redis.zcard(keys.queue) == 0 and await bus.redis.hlen(keys.inflight) == 1
+    assert await bus.redis.xgroup_destroy(keys.inbox, GROUP) == 1
+    assert await slow.restore() == 1  # re-issued to the restored-entries consumer
+    assert await slow.requeue(delivery.handoff_id, 0) is True
+    assert await bus.redis.zrange(keys.queue, 0, -1) == [b"a/r0"] and await bus.redis.hlen(keys.inflight) == 0
 
 
 async def test_delivery_counts_are_read_entry_by_entry(real_bus: HandoffBus) -> None:

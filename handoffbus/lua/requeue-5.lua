@@ -6,13 +6,21 @@
   KEYS[1] queue   KEYS[2] inbox   KEYS[3] in-flight index   KEYS[4] sequence   KEYS[5] doorbell
   ARGV[1] consumer group   ARGV[2] handoff id
   ARGV[3] priority (integer, -1000..1000; lower is served first)
+  ARGV[4] the consumer giving it back
 
-  Returns 1 (queued again, behind the handoffs of its priority already queued).
+  Returns 1 (queued again, behind the handoffs of its priority already queued), or 0 (left
+  alone: its entry is pending under another consumer, which claimed it while this one was
+  slow and may have accepted it by now; a restored entry not yet adopted counts as this one's).
   Events: one entry on KEYS[5] (MAXLEN 1) so blocked workers wake.
 ]]
 -- @include queue
 
 local hid = ARGV[2]
+local entry = redis.call('HGET', KEYS[3], hid)
+if entry then
+  local held = redis.call('XPENDING', KEYS[2], ARGV[1], entry, entry, 1)[1]
+  if held and held[2] ~= ARGV[4] and held[2] ~= RESTORED then return 0 end
+end
 settle(ARGV[1], {hid})
 -- priority * 2^42 + seq, as enqueue scores it
 redis.call('ZADD', KEYS[1], tonumber(ARGV[3]) * 4398046511104 + redis.call('INCR', KEYS[4]), hid)

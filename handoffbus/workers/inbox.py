@@ -66,9 +66,10 @@ class Inbox:
     async def settle(self, handoff_ids: Sequence[str]) -> int:
         return await self._bus.settle(self.agent, list(handoff_ids))
 
-    async def requeue(self, handoff_id: str, priority: int) -> None:
-        """Settle a handoff taken here and queue it again, in one step (see requeue-5.lua)."""
-        await self._bus.script("requeue", self._keys, [GROUP, handoff_id, priority])
+    async def requeue(self, handoff_id: str, priority: int) -> bool:
+        """Settle a handoff taken here and queue it again, in one step (see requeue-5.lua);
+        False: left alone, another consumer claimed it meanwhile."""
+        return bool(await self._bus.script("requeue", self._keys, [GROUP, handoff_id, priority, self.consumer]))
 
     async def load(self, handoff_ids: Sequence[str]) -> list[Loaded | None]:
         """What each taken handoff's record says (None where it is gone), in one round trip."""

@@ -227,7 +227,9 @@ class Worker:
         while self._give_back:
             hid, priority = self._give_back[0]
             try:
-                await self._inbox.requeue(hid, priority)
+                if not await self._inbox.requeue(hid, priority):
+                    self._log.info("%s: %s was claimed by another worker meanwhile; left to it", self.consumer, hid,
+                                   extra={"handoff_id": hid})
             except (RedisError, OSError, HandoffbusError) as exc:  # the bus closing too
                 self._log.warning("%s: could not hand %s back (%s); it stays in this worker's pending "
                                   "entries, to be reclaimed", self.consumer, hid, exc, extra={"handoff_id": hid})
