@@ -319,7 +319,8 @@ class HandoffClient:
         self, name: str, handoff_id: str, fields: dict[str, Any], *, settle: bool = True, created_ms: int = 0
     ) -> HandoffResponse:
         """Run one transition script. ``settle`` also takes the handoff out of the target's queue
-        and inbox; a worker passes False and settles in its next ``take`` instead."""
+        and inbox; a worker passes False and settles in its next ``take`` instead (but a routed
+        handoff refused and sent on, PENDING, is settled here in any case)."""
         requester, request_id = split_handoff_id(handoff_id)
         bus = self._bus
         args: list[Any] = [handoff_id, request_id, self.agent_id, bus.config.retention_ms,
@@ -336,8 +337,9 @@ class HandoffClient:
         reply = await bus.script(name, bus.keys.record(requester, request_id).as_list(), args)
         code = int(reply[0])
         if code == 2:  # a routed handoff refused: it goes on to another capable agent
-            if settle:
-                await bus.settle(self.agent_id, [handoff_id])
+            # settled first, whatever ``settle`` says: routed again, it may come back to this agent
+            # at once, and is admitted to its inbox only once the refused delivery has left it
+            await bus.settle(self.agent_id, [handoff_id])
             if bus.isolated is not None:  # the forwarder sent it on already
                 return refusal_response(handoff_id, self.agent_id, fields)
             [final] = await bus.router.reroute([Reroute.of(reply[2:9], reply[9])])

@@ -4,7 +4,7 @@ offers, late joiners, priority order with ageing, and fairness."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import anyio
@@ -12,6 +12,7 @@ import pytest
 
 from handoffbus import HandoffBus, HandoffHandle, HandoffRequest, HandoffResponse, HandoffStatus
 from handoffbus.workers import Accept, Agent, AgentState, ReceivedHandoff, Reject
+from handoffbus.workers.inbox import Inbox
 
 from .conftest import make_bus
 from .helpers import response_statuses, routed, serving
@@ -134,6 +135,34 @@ async def test_retry_after_defers_the_next_offer_to_that_agent(bus: HandoffBus) 
     assert events == [("OFFERED", ""), ("DEFERRED", "LATER"), ("OFFERED", "")]
     deferred, reoffered = record.route[1].at_ms, record.route[2].at_ms
     assert reoffered - deferred >= 200
+
+
+async def test_a_refusal_sent_on_is_not_settled_again_by_the_worker(
+    bus: HandoffBus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused and sent on, a routed handoff leaves the refusing agent's inbox then and there;
+    the worker does not settle it by its id again later, which could take the entry of its
+    next delivery to this agent (it came back here: the only capable agent, retrying at once)."""
+    settled: list[str] = []
+    take = Inbox.take
+
+    async def recording(inbox: Inbox, count: int, settle: Iterable[str] = ()) -> Any:
+        settle = list(settle)
+        settled.extend(settle)
+        return await take(inbox, count, settle)
+
+    monkeypatch.setattr(Inbox, "take", recording)
+
+    class Later(Specialist):
+        async def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+            self.seen.append(request.request_id)
+            return Reject(reason="in a moment", retry_after_ms=0) if len(self.seen) == 1 else Accept()
+
+    agent = Later("only-1", ["x"])
+    async with serving(bus, agent):
+        [outcome] = await outcomes([await bus.client("req").request_handoff(routed(["x"]))])
+    assert outcome.status is S.COMPLETED and len(agent.seen) == 2
+    assert settled == [outcome.handoff_id]  # once: after its second delivery was completed
 
 
 async def test_a_routed_request_nobody_can_take_expires(bus: HandoffBus) -> None:

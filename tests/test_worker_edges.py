@@ -261,3 +261,23 @@ async def test_closing_a_bus_mid_sweep_settles_what_the_sweep_expired(real_backe
 async def test_a_worker_refuses_settings_that_would_break_it(bus: HandoffBus, settings: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         Worker(bus, Echo(), **settings)
+
+
+async def test_a_routed_refusal_is_settled_before_it_is_routed_on(bus: HandoffBus) -> None:
+    """A worker refuses a routed handoff for now (retry at once) and leaves its settle to a later
+    take; another worker of the same agent pulls it back first. It is admitted to the agent's
+    inbox: the refused delivery left it before it was routed again, not after."""
+    handle = await bus.client("req").request_handoff(routed(["x"], timeout=60.0))
+    first, second = RouteFeed(bus, "x-agent", ["x"], "w1"), RouteFeed(bus, "x-agent", ["x"], "w2")
+    await first.refresh()
+    await second.refresh()
+    [refused] = await first.pull(1)
+    response = await bus.client("x-agent")._transition(
+        "reject", handle.handoff_id, {"reason": "later", "retry": 0}, settle=False)
+    assert response.status is HandoffStatus.PENDING  # sent on
+    [again] = await second.pull(1)
+    assert again.handoff_id == handle.handoff_id and again.entry_id != refused.entry_id
+    keys = bus.keys.target("x-agent")
+    assert await bus.redis.hgetall(keys.inflight) == {handle.handoff_id.encode(): again.entry_id.encode()}
+    pending = await bus.redis.xpending_range(keys.inbox, GROUP, min="-", max="+", count=10)
+    assert [(p["message_id"].decode(), p["consumer"]) for p in pending] == [(again.entry_id, b"w2")]

@@ -472,7 +472,9 @@ class Worker:
                     after = "keep pending"  # from here a stop leaves it pending, to be reclaimed
                     status = await self._act(hid, row.request, decision, row.created_ms)
             self.handled[status] = self.handled.get(status, 0) + 1
-            after = "settle"
+            # a routed handoff refused and sent on was settled already; settled again by its id
+            # later, it could take the entry of its next delivery to this agent
+            after = "settled" if status is HandoffStatus.PENDING else "settle"
         except LeaseLost:
             self._log.info("%s: %s was taken over by another worker; dropping this attempt", self.consumer, hid,
                            extra={"handoff_id": hid})
