@@ -180,12 +180,10 @@ class HandoffClient:
         keys = bus.keys.record(self.agent_id, request.request_id)
         await bus.register_requester(self.agent_id)
         reader = bus.reader(self.agent_id, self._refresh)
-        shared = reader.watching(handoff_id)  # a handle from an earlier request may hold it
-        waiter = reader.watch(handoff_id)
+        waiter = reader.watch(handoff_id)  # shared with earlier handles or requests of this id
 
         def let_go() -> None:
-            if not shared:
-                reader.forget(waiter)
+            reader.release(waiter)
 
         assert request.timeout is not None
         caps = "" if request.to_agent else capability_set(request.capabilities_required)

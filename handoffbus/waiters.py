@@ -45,7 +45,7 @@ class Waiter:
     twice per handoff, and the scope costs about three times as much. Outer cancellation
     reaches the future as any await."""
 
-    __slots__ = ("_on_decision", "_on_outcome", "deadline_at", "decision", "handoff_id", "outcome")
+    __slots__ = ("_on_decision", "_on_outcome", "deadline_at", "decision", "handoff_id", "holders", "outcome")
 
     def __init__(self, handoff_id: str) -> None:
         self.handoff_id = handoff_id
@@ -55,6 +55,8 @@ class Waiter:
         self._on_outcome: list[asyncio.Future[None]] = []
         #: anyio clock time at which the server's acceptance deadline falls, while PENDING.
         self.deadline_at: float | None = None
+        #: the requests and handles watching it (see ResponseReader.release)
+        self.holders = 0
 
     async def wait_decided(self, limit: float) -> None:
         """Until the decision is known, or for ``limit`` seconds at most."""
@@ -133,13 +135,23 @@ class ResponseReader:
         self._cursor: bytes | None = None
 
     def watch(self, handoff_id: str) -> Waiter:
+        """The handoff's waiter, held once more until ``release`` (or its outcome)."""
         waiter = self._waiters.get(handoff_id)
         if waiter is None:
             waiter = self._waiters[handoff_id] = Waiter(handoff_id)
+        waiter.holders += 1
         return waiter
 
     def watching(self, handoff_id: str) -> bool:
         return handoff_id in self._waiters
+
+    def release(self, waiter: Waiter) -> None:
+        """A request that failed lets its hold go: the waiter is forgotten once no request or
+        handle holds it (two requests with one id may be under way at once, and the one that
+        fails must not take the waiter from the other)."""
+        waiter.holders -= 1
+        if waiter.holders <= 0:
+            self.forget(waiter)
 
     def forget(self, waiter: Waiter) -> None:
         if self._waiters.get(waiter.handoff_id) is waiter:

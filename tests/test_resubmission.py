@@ -3,6 +3,7 @@ under that id, and nothing of the refused request stays behind."""
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any
 
 import anyio
@@ -121,4 +122,55 @@ async def test_a_resubmission_that_joined_a_handoff_keeps_it_when_its_creator_wi
         await bob.accept_handoff(handle.handoff_id)
         await bob.complete_handoff(handle.handoff_id, result="done")
         with anyio.fail_after(5):
+            assert (await handle.outcome()).result == "done"
+
+
+async def test_a_failing_request_leaves_the_waiter_of_its_twin_under_way(backend: str, servers: dict) -> None:
+    """Two tasks send the same request at once. The one that created it meets a full queue and
+    fails; the other joined it, queued it once there was room, and holds a handle: the failure
+    must not take the waiter that handle is fed through."""
+    async with make_bus(backend, servers, max_queued=1) as bus:
+        alice, bob = bus.client("alice"), bus.client("bob")
+        filler = await alice.request_handoff(req("alice", "bob", request_id="filler"))  # bob's queue is full
+        sender: contextvars.ContextVar[str] = contextvars.ContextVar("sender")
+        created, joined, failed = anyio.Event(), anyio.Event(), anyio.Event()
+        scripts_many = bus.scripts_many
+
+        async def interleaved(calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+            name = calls[0][0]
+            if sender.get() == "twin" and name == "request":
+                await created.wait()
+            if sender.get() == "creator" and name == "enqueue":
+                await joined.wait()
+            if sender.get() == "twin" and name == "enqueue":
+                await failed.wait()
+                await bus.redis.zrem(bus.keys.target("bob").queue, filler.handoff_id)  # room again
+            replies = await scripts_many(calls)
+            if name == "request":
+                (created if sender.get() == "creator" else joined).set()
+            return replies
+
+        bus.scripts_many = interleaved  # type: ignore[method-assign]
+        results: dict[str, Any] = {}
+
+        async def send(name: str) -> None:
+            sender.set(name)
+            try:
+                results[name] = await alice.request_handoff(req("alice", "bob", request_id="r1"))
+            except QueueFull as exc:
+                results[name] = exc
+            finally:
+                if name == "creator":
+                    failed.set()
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send, "creator")
+                tg.start_soon(send, "twin")
+        bus.scripts_many = scripts_many  # type: ignore[method-assign]
+        assert isinstance(results["creator"], QueueFull)
+        handle = results["twin"]
+        await bob.accept_handoff(handle.handoff_id)
+        await bob.complete_handoff(handle.handoff_id, result="done")
+        with anyio.fail_after(5):  # heard from the response stream, not the 30 s safety re-read
             assert (await handle.outcome()).result == "done"
