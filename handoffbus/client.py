@@ -230,7 +230,11 @@ class HandoffClient:
         code = int(reply[0])
         status = HandoffStatus(reply[1].decode()) if code >= 0 else None
         enqueued = followed[0] if request.to_agent and followed else None
-        if enqueued == 1 and status is not HandoffStatus.PENDING and bus.isolated is None:
+        if enqueued == 1 and bus.isolated is None and (
+            status is not HandoffStatus.PENDING
+            # joined: the record answered PENDING a round trip before the entry was added
+            or (code == 0 and await bus.redis.hget(keys.record, "status") != b"PENDING")
+        ):
             # refused (nothing written), or decided already: take back the queue entry this call
             # added (the queue only: an in-flight entry belongs to the worker handling it)
             await bus.redis.zrem(bus.keys.target(request.to_agent).queue, handoff_id)

@@ -174,3 +174,29 @@ async def test_a_failing_request_leaves_the_waiter_of_its_twin_under_way(backend
         await bob.complete_handoff(handle.handoff_id, result="done")
         with anyio.fail_after(5):  # heard from the response stream, not the 30 s safety re-read
             assert (await handle.outcome()).result == "done"
+
+
+async def test_a_resubmission_never_leaves_a_queue_entry_for_a_handoff_decided_meanwhile(
+    backend: str, servers: dict
+) -> None:
+    """A resubmission finds its handoff PENDING and queues it again (its first queue entry may
+    be lost); between the two round trips the agent accepts it. The entry just added is taken
+    back: it would be served again, or sit in the queue for good."""
+    async with make_bus(backend, servers) as bus:
+        alice, bob = bus.client("alice"), bus.client("bob")
+        first = await alice.request_handoff(req("alice", "bob", request_id="r1"))
+        await bus.redis.zrem(bus.keys.target("bob").queue, first.handoff_id)  # say its queue entry was lost
+        scripts_many = bus.scripts_many
+
+        async def accepted_between(calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+            if calls[0][0] == "enqueue":
+                await bob.accept_handoff(first.handoff_id)  # taken by bob some other way meanwhile
+            return await scripts_many(calls)
+
+        bus.scripts_many = accepted_between  # type: ignore[method-assign]
+        again = await alice.request_handoff(req("alice", "bob", request_id="r1"))
+        bus.scripts_many = scripts_many  # type: ignore[method-assign]
+        assert await bus.redis.zcard(bus.keys.target("bob").queue) == 0
+        await bob.complete_handoff(first.handoff_id, result="done")
+        with anyio.fail_after(5):
+            assert (await again.outcome()).result == "done"

@@ -8,7 +8,9 @@
   ARGV[1] request id
 
   Returns 1 removed, 0 left alone: no longer PENDING, or `joined` (the same request was sent
-  again meanwhile and found it PENDING: that caller may have queued it and awaits it).
+  again meanwhile and found it PENDING: that caller may have queued it and awaits it). If that
+  caller's queue entry was refused too, the record stays PENDING and unqueued until the same
+  request is sent again (and queued) or its deadline expires it: nothing is lost either way.
 ]]
 local rec = redis.call('HMGET', KEYS[1], 'status', 'joined')
 if rec[1] ~= 'PENDING' or rec[2] then return 0 end
