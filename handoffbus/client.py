@@ -349,7 +349,8 @@ class HandoffClient:
         if code == errors.EXPIRED and reply[1]:
             await bus.settle_expired({reply[1].decode(): [handoff_id]})
         if code < 0:
-            raise_for_code(code, handoff_id, self.agent_id, name, reply[1] if len(reply) > 1 else None)
+            raise_for_code(code, handoff_id, self.agent_id, name, reply[1] if len(reply) > 1 else None,
+                           reply[2] if len(reply) > 2 else None)
         response = response_from_reply(handoff_id, reply[2:], bus.codec)
         if code == 1:
             bus.tally.transition(self.agent_id, response.status, created_ms, response.timestamp_ms)

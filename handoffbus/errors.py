@@ -74,11 +74,13 @@ class HandoffNotFound(HandoffbusError, LookupError):
 class InvalidTransition(HandoffbusError):
     """The handoff's current status does not allow this transition."""
 
-    def __init__(self, handoff_id: str, current: str, attempted: str) -> None:
+    def __init__(self, handoff_id: str, current: str, attempted: str, owner: str | None = None) -> None:
         super().__init__(f"cannot {attempted} handoff {handoff_id!r}: it is {current}")
         self.handoff_id = handoff_id
         self.current = current
         self.attempted = attempted
+        #: the agent that accepted it, if any (a transition script's reply says)
+        self.owner = owner
 
 
 class HandoffExpired(InvalidTransition):
@@ -176,12 +178,15 @@ NOT_WRITABLE = -9
 ENVELOPE_MISSING = -10
 
 
-def raise_for_code(code: int, handoff_id: str, actor: str, attempted: str, detail: bytes | None) -> NoReturn:
-    """Raise the exception for a negative script return code."""
+def raise_for_code(
+    code: int, handoff_id: str, actor: str, attempted: str, detail: bytes | None, owner: bytes | None = None
+) -> NoReturn:
+    """Raise the exception for a negative script return code (``owner``: a transition's -2
+    reply's third element)."""
     if code == NOT_FOUND:
         raise HandoffNotFound(handoff_id)
     if code == INVALID_TRANSITION:
-        raise InvalidTransition(handoff_id, (detail or b"?").decode(), attempted)
+        raise InvalidTransition(handoff_id, (detail or b"?").decode(), attempted, owner.decode() if owner else None)
     if code == EXPIRED:
         raise HandoffExpired(handoff_id, attempted)
     if code == NOT_PERMITTED:

@@ -480,9 +480,12 @@ class Worker:
                            extra={"handoff_id": hid})
             after = "keep pending"  # its entry belongs to the new holder now
         except InvalidTransition as exc:
-            after = "keep pending"  # until known: its entry may be another worker's now
-            if exc.current != HandoffStatus.ACCEPTED.value or not await self._accepted_here(hid):
-                after = "settle"  # cancelled, expired or finished meanwhile; or another agent took it
+            after = "settle"  # cancelled, expired or finished meanwhile; or another agent took it
+            if exc.current == HandoffStatus.ACCEPTED.value and exc.owner == self.agent.agent_id:
+                # another worker of this agent claimed the entry while this one was slow and works
+                # under it now: settled from here, it would be acknowledged under that worker, and
+                # never reclaimed if that worker stopped
+                after = "keep pending"
         except NotPermitted:
             after = "settle"  # a routed offer that lapsed
         except Exception:
@@ -499,13 +502,6 @@ class Worker:
             elif after == "give back" and row is not None and row.request is not None:
                 self._give_back.append((hid, row.request.priority))
             self._changed.set()
-
-    async def _accepted_here(self, hid: str) -> bool:
-        """Whether a handoff this worker could not decide was accepted by this agent: another of
-        its workers claimed the entry while this one was slow, and works under it now (settled
-        from here, it would be acknowledged under that worker, and never reclaimed if it stops)."""
-        [row] = await self._inbox.load([hid])
-        return row is not None and row.status is HandoffStatus.ACCEPTED and row.agent == self.agent.agent_id
 
     async def _take_over(self, hid: str, *, retry: bool = False) -> int:
         """Hold the handoff's lease for a new run of its work; returns the attempt number.
