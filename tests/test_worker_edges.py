@@ -73,6 +73,19 @@ async def test_a_handoff_claimed_by_another_worker_is_not_given_back(bus: Handof
     assert await bus.redis.zrange(keys.queue, 0, -1) == [b"a/r0"] and await bus.redis.hlen(keys.inflight) == 0
 
 
+@pytest.mark.parametrize("what", ["group", "stream"])
+async def test_a_handoff_is_given_back_when_its_group_was_deleted(bus: HandoffBus, what: str) -> None:
+    await bus.client("a").request_handoff(req("a", "b", request_id="r0"))
+    inbox, keys = Inbox(bus, "b", "w1"), bus.keys.target("b")
+    _, [delivery] = await inbox.take(1)
+    if what == "group":
+        assert await bus.redis.xgroup_destroy(keys.inbox, GROUP) == 1
+    else:
+        assert await bus.redis.delete(keys.inbox) == 1
+    assert await inbox.requeue(delivery.handoff_id, 0) is True
+    assert await bus.redis.zrange(keys.queue, 0, -1) == [b"a/r0"] and await bus.redis.hlen(keys.inflight) == 0
+
+
 async def test_delivery_counts_are_read_entry_by_entry(real_bus: HandoffBus) -> None:
     # the worker holds more entries than any COUNT a range read would ask for: each reclaimed
     # entry's own count must still be found (a poison handoff is recognised by it)

@@ -18,7 +18,9 @@
 local hid = ARGV[2]
 local entry = redis.call('HGET', KEYS[3], hid)
 if entry then
-  local held = redis.call('XPENDING', KEYS[2], ARGV[1], entry, entry, 1)[1]
+  -- (no group, or no stream: deleted under running workers, and no one holds anything)
+  local ok, pending = pcall(redis.call, 'XPENDING', KEYS[2], ARGV[1], entry, entry, 1)
+  local held = ok and pending[1]
   if held and held[2] ~= ARGV[4] and held[2] ~= RESTORED then return 0 end
 end
 settle(ARGV[1], {hid})
