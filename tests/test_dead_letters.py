@@ -138,3 +138,21 @@ async def test_a_dead_letter_after_the_group_was_restored_leaves_no_entry_behind
     assert await bus.redis.xlen(keys.inbox) == 0  # no entry left for a reclaim to deliver again
     assert (await bus.redis.xpending(keys.inbox, "workers"))["pending"] == 0
     assert await bus.redis.hlen(keys.inflight) == 0
+
+
+async def test_a_dead_letter_leaves_a_later_delivery_held_by_another_worker(bus: HandoffBus) -> None:
+    """The handoff's current entry is another consumer's (re-issued, then adopted by a live
+    worker): the slow worker's dead letter acknowledges its own entry only."""
+    client = bus.client("req")
+    handle = await client.request_handoff(req("req", "echo-1", reason="poison"))
+    ghost = Inbox(bus, "echo-1", "ghost")
+    _, [taken] = await ghost.take(1)
+    keys = bus.keys.target("echo-1")
+    assert await bus.redis.xgroup_destroy(keys.inbox, "workers") == 1
+    assert await ghost.restore() == 1
+    [reissued] = (await ghost.entries([handle.handoff_id])).values()
+    await bus.redis.xclaim(keys.inbox, "workers", "other", 0, [reissued])  # adopted by a live worker
+    await ghost.dead_letter(taken, "no request", 1)
+    pending = await bus.redis.xpending_range(keys.inbox, "workers", min="-", max="+", count=10)
+    assert [(p["message_id"].decode(), p["consumer"]) for p in pending] == [(reissued, b"other")]
+    assert await ghost.entries([handle.handoff_id]) == {handle.handoff_id: reissued}

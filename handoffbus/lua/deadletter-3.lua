@@ -11,14 +11,22 @@
 
   Returns the dead-letter entry id.
 
-  The in-flight index's entry goes too: if the group was deleted and restored since the
-  handoff was taken, that is the re-issued one, and ARGV[3] names nothing any more.
+  The in-flight index's entry goes too when it is another one held by this consumer, or not
+  yet adopted ('_restored', see RESTORED in includes/queue.lua): the group was deleted and
+  restored since the handoff was taken, and ARGV[3] names nothing any more. Held by another
+  consumer, it is a later delivery of the handoff, in that consumer's hands: left alone.
 ]]
 local ids = {ARGV[3]}
 local current = redis.call('HGET', KEYS[2], ARGV[2])
-if current and current ~= ARGV[3] then ids[2] = current end
+local index_mine = current == ARGV[3]
+if current and not index_mine then
+  local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], current, current, 1)
+  local held = ok and pending[1]
+  index_mine = not held or held[2] == ARGV[6] or held[2] == '_restored'
+  if index_mine then ids[2] = current end
+end
 redis.call('XACK', KEYS[1], ARGV[1], unpack(ids))
 redis.call('XDEL', KEYS[1], unpack(ids))
-redis.call('HDEL', KEYS[2], ARGV[2])
+if index_mine then redis.call('HDEL', KEYS[2], ARGV[2]) end
 return redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[7], '*', 'h', ARGV[2], 'entry', ARGV[3],
   'reason', ARGV[4], 'deliveries', ARGV[5], 'consumer', ARGV[6])
