@@ -181,80 +181,77 @@ class HandoffClient:
         await bus.register_requester(self.agent_id)
         reader = bus.reader(self.agent_id, self._refresh)
         waiter = reader.watch(handoff_id)  # shared with earlier handles or requests of this id
-
-        def let_go() -> None:
-            reader.release(waiter)
-
-        assert request.timeout is not None
-        caps = "" if request.to_agent else capability_set(request.capabilities_required)
-        timeout_ms = int(request.timeout * 1000)
-        signature = ""
-        if bus.keyring is not None:
-            signature = bus.keyring.sign(self.agent_id, "request", [
-                handoff_id, self.agent_id, request.to_agent, caps, str(timeout_ms)], envelope, await self._now_ms())
-        record_args: list[Any] = [
-            handoff_id, request.request_id, self.agent_id, request.to_agent, timeout_ms,
-            envelope, bus.config.retention_ms, bus.config.response_retention_ms, fingerprint,
-            caps, request.priority, int(bus.config.route_guard * 1000), bus.config.max_pending, signature,
-        ]
-        record_calls = [("request", keys.as_list(), record_args)]
-        if len(envelope) > STAGE_OVER:  # written apart, renamed in by the script (see request-6.lua)
-            staged = bus.keys.staged(self.agent_id, request.request_id, os.urandom(8).hex())
-            record_args[5] = ""
-            record_args.append("1")
-            record_calls = [("SET", [staged], [envelope, "PX", STAGED_TTL_MS]),
-                            ("request", [*keys.as_list(), staged], record_args)]
-        if request.to_agent:
-            await bus.register_target(request.to_agent)
-            follow = [bus.enqueue_call(request.to_agent, handoff_id, request.priority, bus.config.max_queued)]
-        else:
-            follow = await self._route_calls(handoff_id, caps, request, fail_fast)
-        if resubmittable:
-            # the caller's request id may name a handoff that exists: queue or route it only once
-            # the record says it is this request and still PENDING, never another request's (a
-            # conflict) nor a decided one (a worker could take it and run its work again)
-            replies = await bus.scripts_many(record_calls)
-            reply = replies[-1]
-            pending = not isinstance(reply, BaseException) and (
-                int(reply[0]) == 1 or (int(reply[0]) == 0 and reply[1] == b"PENDING"))
-            followed = await bus.scripts_many(follow) if pending else []
-        else:
-            # a new request id: the record and its queue entry in one round trip, in this order; a
-            # crash between them leaves a PENDING record that expires at its deadline
-            replies = await bus.scripts_many([*record_calls, *follow])
-            reply, followed = replies[len(record_calls) - 1], replies[len(record_calls):]
-        for failed in (*replies[:len(record_calls)], *followed):
-            if isinstance(failed, BaseException):
-                let_go()
-                raise failed
-        code = int(reply[0])
-        status = HandoffStatus(reply[1].decode()) if code >= 0 else None
-        enqueued = followed[0] if request.to_agent and followed else None
-        if enqueued == 1 and bus.isolated is None and (
-            status is not HandoffStatus.PENDING
-            # joined: the record answered PENDING a round trip before the entry was added
-            or (code == 0 and await bus.redis.hget(keys.record, "status") != b"PENDING")
-        ):
-            # refused (nothing written), or decided already: take back the queue entry this call
-            # added (the queue only: an in-flight entry belongs to the worker handling it)
-            await bus.redis.zrem(bus.keys.target(request.to_agent).queue, handoff_id)
-        if status is None:
-            let_go()
-            raise_for_code(code, handoff_id, self.agent_id, "request", None)
-        if enqueued == QUEUE_FULL:
-            let_go()
-            if code == 1:  # created by this call: take it back (unless a resubmission joined it since)
-                await bus.script("withdraw", keys.as_list(), [request.request_id])
-            raise_for_code(QUEUE_FULL, handoff_id, self.agent_id, "request", request.to_agent.encode())
-        if code == 1:  # a new handoff ("" for a routed one: counted by listeners, not in Redis)
-            bus.tally.add(request.to_agent, "requested")
-        waiter.set_deadline(int(reply[2]), int(reply[3]))
-        reader.start(reply[4])
-        if status in TERMINAL and request.to_agent:
-            await bus.settle(request.to_agent, [handoff_id])  # e.g. this resubmission expired it
-        if status is not HandoffStatus.PENDING:
-            await self._refresh(waiter)
-        return HandoffHandle(self, waiter)
+        try:
+            assert request.timeout is not None
+            caps = "" if request.to_agent else capability_set(request.capabilities_required)
+            timeout_ms = int(request.timeout * 1000)
+            signature = ""
+            if bus.keyring is not None:
+                signature = bus.keyring.sign(self.agent_id, "request", [
+                    handoff_id, self.agent_id, request.to_agent, caps, str(timeout_ms)], envelope, await self._now_ms())
+            record_args: list[Any] = [
+                handoff_id, request.request_id, self.agent_id, request.to_agent, timeout_ms,
+                envelope, bus.config.retention_ms, bus.config.response_retention_ms, fingerprint,
+                caps, request.priority, int(bus.config.route_guard * 1000), bus.config.max_pending, signature,
+            ]
+            record_calls = [("request", keys.as_list(), record_args)]
+            if len(envelope) > STAGE_OVER:  # written apart, renamed in by the script (see request-6.lua)
+                staged = bus.keys.staged(self.agent_id, request.request_id, os.urandom(8).hex())
+                record_args[5] = ""
+                record_args.append("1")
+                record_calls = [("SET", [staged], [envelope, "PX", STAGED_TTL_MS]),
+                                ("request", [*keys.as_list(), staged], record_args)]
+            if request.to_agent:
+                await bus.register_target(request.to_agent)
+                follow = [bus.enqueue_call(request.to_agent, handoff_id, request.priority, bus.config.max_queued)]
+            else:
+                follow = await self._route_calls(handoff_id, caps, request, fail_fast)
+            if resubmittable:
+                # the caller's request id may name a handoff that exists: queue or route it only once
+                # the record says it is this request and still PENDING, never another request's (a
+                # conflict) nor a decided one (a worker could take it and run its work again)
+                replies = await bus.scripts_many(record_calls)
+                reply = replies[-1]
+                pending = not isinstance(reply, BaseException) and (
+                    int(reply[0]) == 1 or (int(reply[0]) == 0 and reply[1] == b"PENDING"))
+                followed = await bus.scripts_many(follow) if pending else []
+            else:
+                # a new request id: the record and its queue entry in one round trip, in this order; a
+                # crash between them leaves a PENDING record that expires at its deadline
+                replies = await bus.scripts_many([*record_calls, *follow])
+                reply, followed = replies[len(record_calls) - 1], replies[len(record_calls):]
+            for failed in (*replies[:len(record_calls)], *followed):
+                if isinstance(failed, BaseException):
+                    raise failed
+            code = int(reply[0])
+            status = HandoffStatus(reply[1].decode()) if code >= 0 else None
+            enqueued = followed[0] if request.to_agent and followed else None
+            if enqueued == 1 and bus.isolated is None and (
+                status is not HandoffStatus.PENDING
+                # joined: the record answered PENDING a round trip before the entry was added
+                or (code == 0 and await bus.redis.hget(keys.record, "status") != b"PENDING")
+            ):
+                # refused (nothing written), or decided already: take back the queue entry this call
+                # added (the queue only: an in-flight entry belongs to the worker handling it)
+                await bus.redis.zrem(bus.keys.target(request.to_agent).queue, handoff_id)
+            if status is None:
+                raise_for_code(code, handoff_id, self.agent_id, "request", None)
+            if enqueued == QUEUE_FULL:
+                if code == 1:  # created by this call: take it back (unless a resubmission joined it since)
+                    await bus.script("withdraw", keys.as_list(), [request.request_id])
+                raise_for_code(QUEUE_FULL, handoff_id, self.agent_id, "request", request.to_agent.encode())
+            if code == 1:  # a new handoff ("" for a routed one: counted by listeners, not in Redis)
+                bus.tally.add(request.to_agent, "requested")
+            waiter.set_deadline(int(reply[2]), int(reply[3]))
+            reader.start(reply[4])
+            if status in TERMINAL and request.to_agent:
+                await bus.settle(request.to_agent, [handoff_id])  # e.g. this resubmission expired it
+            if status is not HandoffStatus.PENDING:
+                await self._refresh(waiter)
+            return HandoffHandle(self, waiter)
+        except BaseException:
+            reader.release(waiter)  # no handle came of this call (it failed, or was cancelled)
+            raise
 
     async def _route_calls(
         self, handoff_id: str, caps: str, request: HandoffRequest, fail_fast: bool

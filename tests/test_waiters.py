@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 import redis.asyncio as aioredis
@@ -109,6 +111,36 @@ async def test_a_handoff_resubmitted_after_its_outcome_is_not_watched(bus: Hando
     again = await alice.request_handoff(req("alice", "bob", request_id="r1"))
     assert (await again.outcome()).status is HandoffStatus.CANCELLED
     assert not bus.reader("alice", alice._refresh).watching(again.handoff_id)
+
+
+async def test_a_request_that_fails_or_is_cancelled_leaves_no_waiter(bus: HandoffBus) -> None:
+    """A request that raises before its scripts run, or is cancelled while they run, gave the
+    caller no handle: its waiter does not stay behind (re-read on every resync, for good)."""
+    alice = bus.client("alice")
+    reader = bus.reader("alice", alice._refresh)
+    scripts_many, register_target = bus.scripts_many, bus.register_target
+    sent = anyio.Event()
+
+    async def never_answered(calls: Any) -> list[Any]:
+        sent.set()
+        await anyio.sleep_forever()
+        raise AssertionError
+
+    async def unreachable(agent: str) -> None:
+        raise ConnectionError("the server went away")
+
+    bus.register_target = unreachable  # type: ignore[method-assign]
+    with pytest.raises(ConnectionError):
+        await alice.request_handoff(req("alice", "bob", request_id="r1"))
+    assert not reader.watching("alice/r1")
+    bus.register_target = register_target  # type: ignore[method-assign]
+    bus.scripts_many = never_answered  # type: ignore[method-assign]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(alice.request_handoff, req("alice", "bob", request_id="r2"))
+        await sent.wait()
+        tg.cancel_scope.cancel()
+    bus.scripts_many = scripts_many  # type: ignore[method-assign]
+    assert not reader.watching("alice/r2")
 
 
 async def test_blocked_readers_never_leave_script_calls_waiting_for_a_connection(
