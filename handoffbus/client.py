@@ -336,11 +336,11 @@ class HandoffClient:
         reply = await bus.script(name, bus.keys.record(requester, request_id).as_list(), args)
         code = int(reply[0])
         if code == 2:  # a routed handoff refused: it goes on to another capable agent
+            if bus.isolated is not None:  # the forwarder settled it and sent it on already
+                return refusal_response(handoff_id, self.agent_id, fields)
             # settled first, whatever ``settle`` says: routed again, it may come back to this agent
             # at once, and is admitted to its inbox only once the refused delivery has left it
             await bus.settle(self.agent_id, [handoff_id])
-            if bus.isolated is not None:  # the forwarder sent it on already
-                return refusal_response(handoff_id, self.agent_id, fields)
             [final] = await bus.router.reroute([Reroute.of(reply[2:9], reply[9])])
             return final or refusal_response(handoff_id, self.agent_id, fields)
         if code == errors.EXPIRED and reply[1]:

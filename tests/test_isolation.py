@@ -423,3 +423,43 @@ async def test_a_stopping_forwarder_still_answers_the_entry_it_started_on(real_b
             tg.cancel_scope.cancel()
         replies = await trusted.redis.xrange(trusted.keys.replies("mallory"), "-", "+")
         assert len(replies) == before + 1 and replies[-1][1][b"rid"] == b"stop-test"
+
+
+async def test_an_isolated_agents_deferral_is_settled_before_it_is_routed_on(
+    real_backend: str, servers: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The forwarder sends a deferred routed handoff on: out of the deferring agent's inbox
+    first, and the agent does not settle it again after (by then another of its workers may
+    hold it again: see test_worker_edges for a shared bus)."""
+    async with isolated(real_backend, servers, ("req", "spec-a")) as setup:
+        bus, trusted = setup.buses["spec-a"], setup.trusted
+        handle = await setup.buses["req"].client("req").request_handoff(
+            HandoffRequest(from_agent="req", to_agent="", capabilities_required=["x"], reason="r", timeout=60.0))
+        await Worker(bus, Capable("spec-a", refuse=False), consumer="w1")._register()  # serves x, says the registry
+        first, second = RouteFeed(bus, "spec-a", ["x"], "w1"), RouteFeed(bus, "spec-a", ["x"], "w2")
+        await first.refresh()
+        await second.refresh()
+        [deferred] = await first.pull(1)
+        steps: list[str] = []
+
+        def spy(target: Any, name: str, label: str) -> None:
+            real = getattr(target, name)
+
+            async def call(*args: Any, **kwargs: Any) -> Any:
+                steps.append(label)
+                return await real(*args, **kwargs)
+
+            monkeypatch.setattr(target, name, call)
+
+        spy(trusted, "settle", "forwarder settle")
+        spy(trusted.router, "reroute", "forwarder reroute")
+        spy(bus, "settle", "agent settle")
+        response = await bus.client("spec-a")._transition(
+            "reject", handle.handoff_id, {"reason": "later", "retry": 0}, settle=False)
+        assert response.status is HandoffStatus.PENDING
+        assert steps == ["forwarder settle", "forwarder reroute"]
+        [again] = await second.pull(1)
+        assert again.handoff_id == handle.handoff_id and again.entry_id != deferred.entry_id
+        keys = trusted.keys.target("spec-a")
+        assert await trusted.redis.hgetall(keys.inflight) == {handle.handoff_id.encode(): again.entry_id.encode()}
+        assert setup.forwarder.refused == 0
