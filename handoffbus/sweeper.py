@@ -90,7 +90,8 @@ class Sweeper:
                 replies = await bus.scripts_many([
                     ("sweep", [bus.keys.deadlines(agent)],
                      [bus.keys.slot(agent), bus.config.sweep_batch, bus.config.retention_ms,
-                      bus.config.response_retention_ms, int(bus.config.offer_time * 1000)])
+                      bus.config.response_retention_ms, int(bus.config.offer_time * 1000),
+                      int(bus.config.route_guard * 1000)])
                     for agent in batch
                 ])
                 for reply in replies:

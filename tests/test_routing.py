@@ -11,8 +11,10 @@ import anyio
 import pytest
 
 from handoffbus import HandoffBus, HandoffHandle, HandoffRequest, HandoffResponse, HandoffStatus
+from handoffbus.routing import set_id
 from handoffbus.workers import Accept, Agent, AgentState, ReceivedHandoff, Reject
 from handoffbus.workers.inbox import Inbox
+from handoffbus.workers.routes import RouteFeed
 
 from .conftest import make_bus
 from .helpers import response_statuses, routed, serving
@@ -163,6 +165,35 @@ async def test_a_refusal_sent_on_is_not_settled_again_by_the_worker(
         [outcome] = await outcomes([await bus.client("req").request_handoff(routed(["x"]))])
     assert outcome.status is S.COMPLETED and len(agent.seen) == 2
     assert settled == [outcome.handoff_id]  # once: after its second delivery was completed
+
+
+async def test_a_lapsed_offer_whose_rerouting_was_lost_is_routed_again(
+    backend: str, servers: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweep takes back a lapsed offer, then the sweeping bus dies (or its connection
+    drops) before it routes the handoff again: the guard the sweep leaves routes it once more,
+    instead of nothing until its deadline."""
+    async with make_bus(backend, servers, offer_time=0.2, route_guard=0.3) as bus:
+        handle = await bus.client("req").request_handoff(routed(["x"], timeout=60.0))
+        feed = RouteFeed(bus, "dead-1", ["x"], "w1")
+        await feed.refresh()
+        assert [d.handoff_id for d in await feed.pull(1)] == [handle.handoff_id]  # offered; never decided
+        reroute, lost = bus.router.reroute, anyio.Event()
+
+        async def first_one_lost(items: Any) -> Any:
+            if not lost.is_set():
+                lost.set()
+                return [None] * len(items)
+            return await reroute(items)
+
+        monkeypatch.setattr(bus.router, "reroute", first_one_lost)
+        queue = bus.keys.route(set_id("x")).queue
+        with anyio.fail_after(10):
+            while not lost.is_set() or await bus.redis.zscore(queue, handle.handoff_id) is None:
+                await bus.sweeper.wait_pass()
+        record = await handle.status()
+        assert record is not None and record.status is S.PENDING
+        assert [(s.agent, s.event) for s in record.route] == [("dead-1", "OFFERED"), ("dead-1", "LAPSED")]
 
 
 async def test_a_routed_request_nobody_can_take_expires(bus: HandoffBus) -> None:

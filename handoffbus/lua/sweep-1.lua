@@ -11,6 +11,9 @@
           they share KEYS[1]'s hash tag, so the script stays in one slot)
   ARGV[2] batch size      ARGV[3] record retention ms      ARGV[4] response stream retention ms
   ARGV[5] ms for which an agent whose offer lapsed is passed over (others are offered first)
+  ARGV[6] routing guard ms: a lapsed offer's "o:" entry is set that far ahead, not removed, so
+          that if the caller's routing of it is lost (its reply, or the caller itself) the
+          sweep routes it once more then (as `reject` guards a refusal)
 
   Returns {expired count, lapsed count, (handoff id, to agent) per expired handoff, then per
   lapsed offer: handoff id, capability set, priority, created, deadline, refused, deferred}.
@@ -41,11 +44,13 @@ for _, member in ipairs(due) do
     out[#out + 1] = rec.id
     out[#out + 1] = rec.to
   elseif offer then
-    redis.call('ZREM', KEYS[1], member)
     if rec.to ~= '' then
       -- it did not refuse, but it did not decide either: offer others first for a while
       chain_add(keys[1], rec.chain, rec.to, 'LAPSED', now, nil)
       redis.call('HSET', keys[1], 'to', '', 'deferred', defer(rec.deferred, rec.to, now + tonumber(ARGV[5] or 0)))
+      redis.call('ZADD', KEYS[1], now + tonumber(ARGV[6] or 0), member)  -- the guard (assign replaces it)
+    else
+      redis.call('ZREM', KEYS[1], member)  -- a guard: routed again now, once
     end
     local info = route_info(keys[1])
     for i = 1, #info do lapsed[#lapsed + 1] = info[i] end
