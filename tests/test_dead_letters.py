@@ -7,7 +7,7 @@ import pytest
 
 from handoffbus import HandoffBus, HandoffNotFound, HandoffStatus
 from handoffbus.workers import Worker
-from handoffbus.workers.inbox import Inbox
+from handoffbus.workers.inbox import Delivery, Inbox
 
 from .agents import Echo
 from .helpers import req, serve_until_done
@@ -119,22 +119,28 @@ async def test_poison_entries_do_not_hold_up_the_others(real_backend: str, serve
     assert p99_poisoned <= 2 * p99_clean + 0.1
 
 
+async def _taken_then_restored(bus: HandoffBus) -> tuple[str, Inbox, Delivery, str]:
+    """A handoff taken by a worker ("ghost"), then its group deleted and restored: the handoff
+    id, the ghost's inbox, what it took, and the entry re-issued for it."""
+    handle = await bus.client("req").request_handoff(req("req", "echo-1", reason="poison"))
+    ghost = Inbox(bus, "echo-1", "ghost")
+    _, [taken] = await ghost.take(1)
+    assert await bus.redis.xgroup_destroy(bus.keys.target("echo-1").inbox, "workers") == 1
+    assert await ghost.restore() == 1
+    [reissued] = (await ghost.entries([handle.handoff_id])).values()
+    assert reissued != taken.entry_id
+    return handle.handoff_id, ghost, taken, reissued
+
+
 async def test_a_dead_letter_after_the_group_was_restored_leaves_no_entry_behind(bus: HandoffBus) -> None:
     """A worker dead-letters what it took, but the group was deleted and restored meanwhile:
     the handoff's entry is the re-issued one now, and that is the one acknowledged and deleted
     (the taken entry's id names nothing any more)."""
-    client = bus.client("req")
-    handle = await client.request_handoff(req("req", "echo-1", reason="poison"))
-    ghost = Inbox(bus, "echo-1", "ghost")
-    _, [taken] = await ghost.take(1)
-    keys = bus.keys.target("echo-1")
-    assert await bus.redis.xgroup_destroy(keys.inbox, "workers") == 1
-    assert await ghost.restore() == 1
-    [reissued] = (await ghost.entries([handle.handoff_id])).values()
-    assert reissued != taken.entry_id
+    handoff_id, ghost, taken, _ = await _taken_then_restored(bus)
     await ghost.dead_letter(taken, "no request", 1)
-    [dead] = await client.get_dead_letters("echo-1")
-    assert dead.handoff_id == handle.handoff_id
+    [dead] = await bus.client("req").get_dead_letters("echo-1")
+    assert dead.handoff_id == handoff_id
+    keys = bus.keys.target("echo-1")
     assert await bus.redis.xlen(keys.inbox) == 0  # no entry left for a reclaim to deliver again
     assert (await bus.redis.xpending(keys.inbox, "workers"))["pending"] == 0
     assert await bus.redis.hlen(keys.inflight) == 0
@@ -143,16 +149,10 @@ async def test_a_dead_letter_after_the_group_was_restored_leaves_no_entry_behind
 async def test_a_dead_letter_leaves_a_later_delivery_held_by_another_worker(bus: HandoffBus) -> None:
     """The handoff's current entry is another consumer's (re-issued, then adopted by a live
     worker): the slow worker's dead letter acknowledges its own entry only."""
-    client = bus.client("req")
-    handle = await client.request_handoff(req("req", "echo-1", reason="poison"))
-    ghost = Inbox(bus, "echo-1", "ghost")
-    _, [taken] = await ghost.take(1)
+    handoff_id, ghost, taken, reissued = await _taken_then_restored(bus)
     keys = bus.keys.target("echo-1")
-    assert await bus.redis.xgroup_destroy(keys.inbox, "workers") == 1
-    assert await ghost.restore() == 1
-    [reissued] = (await ghost.entries([handle.handoff_id])).values()
     await bus.redis.xclaim(keys.inbox, "workers", "other", 0, [reissued])  # adopted by a live worker
     await ghost.dead_letter(taken, "no request", 1)
     pending = await bus.redis.xpending_range(keys.inbox, "workers", min="-", max="+", count=10)
     assert [(p["message_id"].decode(), p["consumer"]) for p in pending] == [(reissued, b"other")]
-    assert await ghost.entries([handle.handoff_id]) == {handle.handoff_id: reissued}
+    assert await ghost.entries([handoff_id]) == {handoff_id: reissued}
