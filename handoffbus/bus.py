@@ -384,6 +384,11 @@ class HandoffBus:
             return await self._outbox.call_many(calls, run)
         return await run(calls)
 
+    def forwarded(self, keys: Sequence[str]) -> bool:
+        """Whether a call on ``keys`` goes through the forwarder (an isolated agent's, outside
+        its own slot)."""
+        return self._outbox is not None and not self._outbox.own(keys)
+
     def client(self, agent_id: str) -> HandoffClient:
         """A client acting as ``agent_id`` (the identity checked by every transition)."""
         if self.isolated is not None and agent_id != self.isolated:

@@ -333,14 +333,17 @@ class HandoffClient:
                                              response_body(fields), await self._now_ms())]
         if name == "reject":
             args += ["guard", int(bus.config.route_guard * 1000)]
-        reply = await bus.script(name, bus.keys.record(requester, request_id).as_list(), args)
+        record_keys = bus.keys.record(requester, request_id).as_list()
+        reply = await bus.script(name, record_keys, args)
         code = int(reply[0])
         if code == 2:  # a routed handoff refused: it goes on to another capable agent
-            if bus.isolated is not None:  # the forwarder settled it and sent it on already
+            if bus.forwarded(record_keys):  # the forwarder settled it and sent it on already
                 return refusal_response(handoff_id, self.agent_id, fields)
             # settled first, whatever ``settle`` says: routed again, it may come back to this agent
             # at once, and is admitted to its inbox only once the refused delivery has left it
             await bus.settle(self.agent_id, [handoff_id])
+            if bus.isolated is not None:  # its own request, refused in its own slot: the routing
+                return refusal_response(handoff_id, self.agent_id, fields)  # guard sends it on
             [final] = await bus.router.reroute([Reroute.of(reply[2:9], reply[9])])
             return final or refusal_response(handoff_id, self.agent_id, fields)
         if code == errors.EXPIRED and reply[1]:

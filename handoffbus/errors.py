@@ -79,7 +79,7 @@ class InvalidTransition(HandoffbusError):
         self.handoff_id = handoff_id
         self.current = current
         self.attempted = attempted
-        #: the agent that accepted it, if any (a transition script's reply says)
+        #: the agent that accepted it, told only to that agent and to the requester (else None)
         self.owner = owner
 
 

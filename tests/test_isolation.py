@@ -463,3 +463,26 @@ async def test_an_isolated_agents_deferral_is_settled_before_it_is_routed_on(
         keys = trusted.keys.target("spec-a")
         assert await trusted.redis.hgetall(keys.inflight) == {handle.handoff_id.encode(): again.entry_id.encode()}
         assert setup.forwarder.refused == 0
+
+
+async def test_an_isolated_agents_refusal_of_its_own_routed_request_is_settled(
+    real_backend: str, servers: dict
+) -> None:
+    """An isolated agent refuses a routed handoff it requested itself: the record is in its own
+    slot, so nothing is forwarded and the agent settles its entry itself (then the record's
+    routing guard sends the handoff on)."""
+    async with isolated(real_backend, servers, ("solo",)) as setup:
+        bus, trusted = setup.buses["solo"], setup.trusted
+        handle = await bus.client("solo").request_handoff(
+            HandoffRequest(from_agent="solo", to_agent="", capabilities_required=["x"], reason="r", timeout=60.0))
+        await Worker(bus, Capable("solo", refuse=False), consumer="w1")._register()  # serves x, says the registry
+        feed = RouteFeed(bus, "solo", ["x"], "w1")
+        await feed.refresh()
+        [taken] = await feed.pull(1)
+        response = await bus.client("solo")._transition(
+            "reject", handle.handoff_id, {"reason": "later", "retry": 0}, settle=False)
+        assert response.status is HandoffStatus.PENDING
+        keys = trusted.keys.target("solo")
+        assert await trusted.redis.hgetall(keys.inflight) == {}
+        assert (await trusted.redis.xpending(keys.inbox, "workers"))["pending"] == 0
+        assert taken.handoff_id == handle.handoff_id

@@ -104,9 +104,13 @@ async def test_invalid_transitions_name_the_current_status(bus: HandoffBus) -> N
     await b.complete_handoff(h2.handoff_id, result=1)
     with pytest.raises(InvalidTransition) as info:
         await b.fail_handoff(h2.handoff_id, "late")
-    assert info.value.current == "COMPLETED"
-    with pytest.raises(InvalidTransition):
+    assert info.value.current == "COMPLETED" and info.value.owner == "b"  # told to the accepting agent
+    with pytest.raises(InvalidTransition) as info:
         await a.cancel_handoff(h2.handoff_id)
+    assert info.value.owner == "b"  # and to the requester
+    with pytest.raises(InvalidTransition) as info:
+        await bus.client("c").accept_handoff(h2.handoff_id)
+    assert info.value.current == "COMPLETED" and info.value.owner is None  # not to anyone else
     assert await response_statuses(bus, "a", h2.handoff_id) == ["ACCEPTED", "COMPLETED"]
 
 

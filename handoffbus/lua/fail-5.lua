@@ -12,7 +12,8 @@
     {1, to agent, status, actor, updated, agent, reason, code, retry, redirect, result, error, rmeta}
        transition made; the response was appended to KEYS[4]
     {0, to agent, ...same fields}  this actor already made this transition: nothing written or emitted
-    {-1} no such handoff   {-2, current status, owner} invalid transition (owner: the agent that accepted it, false if none)
+    {-1} no such handoff   {-2, current status, owner} invalid transition (owner: the agent that accepted it, if
+       that is the acting agent or the requester; else false)
     {-3, to agent} the acceptance deadline passed (the record is now EXPIRED and EXPIRED was emitted)
     {-3, false} it was EXPIRED already (nothing written or emitted)
     {-4} the acting agent may not make this transition

@@ -18,7 +18,8 @@
     {2, to agent, handoff id, capability set, priority, created, deadline, refused, deferred, redirect}
        a routed handoff refused: it is PENDING with no agent; route it again (nothing emitted).
        With a retry time the agent is deferred until then rather than marked as refusing.
-    {-1} no such handoff   {-2, current status, owner} invalid transition (owner: the agent that accepted it, false if none)
+    {-1} no such handoff   {-2, current status, owner} invalid transition (owner: the agent that accepted it, if
+       that is the acting agent or the requester; else false)
     {-3, to agent} the acceptance deadline passed (the record is now EXPIRED and EXPIRED was emitted)
     {-3, false} it was EXPIRED already (nothing written or emitted)
     {-4} the acting agent may not make this transition

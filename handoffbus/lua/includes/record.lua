@@ -128,7 +128,7 @@ end
   'target' (the to_agent, or anyone while to_agent is empty), 'owner' (the accepting agent),
   'requester' (the from_agent).
   Returns {1, to agent, <response>} done now, {0, to agent, <response>} the same actor already did it (nothing
-  emitted), or {-1} not found, {-2, status, owner} invalid transition (owner: the accepting agent, false if none), {-3, to agent} made EXPIRED now ({-3, false}: it
+  emitted), or {-1} not found, {-2, status, owner} invalid transition (owner: the accepting agent, told only to itself and the requester), {-3, to agent} made EXPIRED now ({-3, false}: it
   was already), {-4} not permitted,
   {-6, holder} the lease is held by another consumer, {-9, field} a field it may not write.
 ]]
@@ -160,7 +160,10 @@ local function run_transition(status, from, who)
   -- the status decides first: anything on a terminal handoff is an invalid transition
   if not from[current] then
     if current == 'EXPIRED' then return {-3, false} end  -- expired before: settled and counted then
-    return {-2, current, rec.agent or false}
+    -- who accepted it, told to that agent and to the requester only (another agent's attempt
+    -- must not learn where a handoff went)
+    local owner = (rec.agent and (rec.agent == actor or rec.from == actor)) and rec.agent or false
+    return {-2, current, owner}
   end
   local allowed
   if who == 'target' then
