@@ -15,7 +15,8 @@
   ARGV[12] routing guard ms: a routed handoff not assigned to an agent by then is routed
            again by the expiry sweep (covers a requester that died before routing it)
   ARGV[13] cap on the requester's undecided handoffs, counted as KEYS[3] entries (one per
-           undecided handoff, a routed one has a second while it waits on an offer); 0 = none
+           undecided handoff, a routed one has a second while it waits on an offer or a routing
+           guard); 0 = none
   ARGV[14] signature ('' = unsigned), stored as the record's `sig` (see signing.py)
   ARGV[15] '1' = the envelope is staged at KEYS[6] instead of passed in ARGV[6]: a large one,
            written by a plain SET just before (a large value costs Redis far more passing
