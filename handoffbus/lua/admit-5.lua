@@ -8,6 +8,7 @@
 
   Returns {handoff id, inbox entry id, ...} for the handoffs admitted now.
 ]]
+-- @include holder
 -- @include queue
 
 local hids, seen = {}, {}

@@ -12,17 +12,17 @@
   Returns the dead-letter entry id.
 
   The in-flight index's entry goes too when it is another one held by this consumer, or not
-  yet adopted ('_restored', see RESTORED in includes/queue.lua): the group was deleted and
+  yet adopted (see includes/holder.lua): the group was deleted and
   restored since the handoff was taken, and ARGV[3] names nothing any more. Held by another
   consumer, it is a later delivery of the handoff, in that consumer's hands: left alone.
 ]]
+-- @include holder
+
 local ids = {ARGV[3]}
 local current = redis.call('HGET', KEYS[2], ARGV[2])
 local index_mine = current == ARGV[3]
 if current and not index_mine then
-  local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], current, current, 1)
-  local held = ok and pending[1]
-  index_mine = not held or held[2] == ARGV[6] or held[2] == '_restored'
+  index_mine = not held_elsewhere(KEYS[1], ARGV[1], current, ARGV[6])
   if index_mine then ids[2] = current end
 end
 redis.call('XACK', KEYS[1], ARGV[1], unpack(ids))

@@ -13,16 +13,12 @@
   slow and may have accepted it by now; a restored entry not yet adopted counts as this one's).
   Events: one entry on KEYS[5] (MAXLEN 1) so blocked workers wake.
 ]]
+-- @include holder
 -- @include queue
 
 local hid = ARGV[2]
 local entry = redis.call('HGET', KEYS[3], hid)
-if entry then
-  -- (no group, or no stream: deleted under running workers, and no one holds anything)
-  local ok, pending = pcall(redis.call, 'XPENDING', KEYS[2], ARGV[1], entry, entry, 1)
-  local held = ok and pending[1]
-  if held and held[2] ~= ARGV[4] and held[2] ~= RESTORED then return 0 end
-end
+if entry and held_elsewhere(KEYS[2], ARGV[1], entry, ARGV[4]) then return 0 end
 settle(ARGV[1], {hid})
 -- priority * 2^42 + seq, as enqueue scores it
 redis.call('ZADD', KEYS[1], tonumber(ARGV[3]) * 4398046511104 + redis.call('INCR', KEYS[4]), hid)

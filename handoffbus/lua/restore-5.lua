@@ -9,6 +9,7 @@
 
   Returns the number of in-flight handoffs restored (0: the group existed).
 ]]
+-- @include holder
 -- @include queue
 
 return ensure_group(ARGV[1])

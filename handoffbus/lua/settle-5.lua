@@ -7,6 +7,7 @@
 
   Returns the number of queue members and inbox entries removed.
 ]]
+-- @include holder
 -- @include queue
 
 local hids = {}

@@ -10,6 +10,7 @@
   Returns {doorbell last id, handoff id, inbox entry id, ...} in serving order. When nothing
   was taken, block on KEYS[5] after the returned id: a later enqueue wakes the caller.
 ]]
+-- @include holder
 -- @include queue
 
 local group, consumer, count = ARGV[1], ARGV[2], tonumber(ARGV[3])

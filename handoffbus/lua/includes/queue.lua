@@ -6,6 +6,8 @@
     KEYS[3] in-flight index  <p>:{T}:inflight  (hash handoff id -> inbox entry id)
     KEYS[4] sequence         <p>:{T}:seq       (counter: FIFO order within a priority)
     KEYS[5] doorbell         <p>:{T}:bell      (stream, MAXLEN 1: rung on every enqueue)
+
+  Pasted after "holder" (RESTORED).
 ]]
 
 -- Lua's unpack() takes a few thousand values at most: longer lists go in slices of this many.
@@ -36,10 +38,6 @@ local function settle(group, hids)
   end
   return removed
 end
-
--- Consumer holding restored entries until their live handler adopts them or, its worker
--- being gone, a live worker claims them once idle.
-local RESTORED = '_restored'
 
 -- Create the consumer group if it is missing: on first use, or when the group or the whole
 -- stream was deleted under running workers. In the latter case every in-flight handoff
