@@ -28,7 +28,7 @@ from .models import (
 )
 from .names import check_name, check_names, join_handoff_id, split_handoff_id
 from .records import response_from_reply
-from .routing import Directory, Reroute, capability_set, refusal_response, set_id
+from .routing import Directory, capability_set, refusal_response, set_id
 from .scripts import STAGE_OVER, STAGED_TTL_MS
 from .signing import response_body
 from .waiters import Waiter
@@ -337,15 +337,15 @@ class HandoffClient:
         reply = await bus.script(name, record_keys, args)
         code = int(reply[0])
         if code == 2:  # a routed handoff refused: it goes on to another capable agent
-            if bus.forwarded(record_keys):  # the forwarder settled it and sent it on already
-                return refusal_response(handoff_id, self.agent_id, fields)
-            # settled first, whatever ``settle`` says: routed again, it may come back to this agent
-            # at once, and is admitted to its inbox only once the refused delivery has left it
-            await bus.settle(self.agent_id, [handoff_id])
-            if bus.isolated is not None:  # its own request, refused in its own slot: the routing
-                return refusal_response(handoff_id, self.agent_id, fields)  # guard sends it on
-            [final] = await bus.router.reroute([Reroute.of(reply[2:9], reply[9])])
-            return final or refusal_response(handoff_id, self.agent_id, fields)
+            # settled at once, whatever ``settle`` says (see Router.send_on); the forwarder does
+            # it for an isolated agent, but not for the agent's own request, refused in its own
+            # slot: that one it settles itself, and having no directory to route with, leaves
+            # to the record's routing guard
+            if not bus.forwarded(record_keys):
+                final = await bus.router.send_on(self.agent_id, handoff_id, reply, route=bus.isolated is None)
+                if final is not None:
+                    return final
+            return refusal_response(handoff_id, self.agent_id, fields)
         if code == errors.EXPIRED and reply[1]:
             await bus.settle_expired({reply[1].decode(): [handoff_id]})
         if code < 0:

@@ -284,9 +284,7 @@ class Forwarder:
             if rings:
                 await bus.scripts_many(rings)
         elif name == "reject" and isinstance(result, list) and result and int(result[0]) == 2:
-            # a refusal sends it on, out of the refusing agent's inbox first (see client._transition)
-            await bus.settle(sender, [text(args[0])])
-            await bus.router.reroute([Reroute.of(result[2:9], result[9])])
+            await bus.router.send_on(sender, text(args[0]), result)  # a refusal sends it on
         elif name == "assign" and isinstance(result, list) and result and int(result[0]) == 2:
             await bus.router.reroute([Reroute.of(result[2:9])])  # pulled from a stale queue entry
 

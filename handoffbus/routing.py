@@ -231,6 +231,19 @@ class Router:
             raise_for_code(code, handoff_id, ROUTER, "route", reply[1] if len(reply) > 1 else None)
         return response_from_reply(handoff_id, reply[2:], self._bus.codec) if code == 1 else None
 
+    async def send_on(
+        self, refuser: str, handoff_id: str, reply: Sequence[Any], *, route: bool = True
+    ) -> HandoffResponse | None:
+        """After ``refuser``'s routed refusal (a ``reject`` reply with code 2): the handoff leaves
+        its inbox first (routed again, it may come straight back to that agent, and is admitted
+        only once the refused delivery has gone), then goes on unless ``route`` is False (the
+        record's routing guard sends it on). The final REJECTED response, or None (PENDING)."""
+        await self._bus.settle(refuser, [handoff_id])
+        if not route:
+            return None
+        [final] = await self.reroute([Reroute.of(reply[2:9], reply[9])])
+        return final
+
     async def reroute(self, items: Sequence[Reroute]) -> list[HandoffResponse | None]:
         """Send each handoff on: to the agent it was redirected to if that one is capable and
         live, else back to its set's queue (waking capable agents), else, when every capable
