@@ -303,14 +303,10 @@ class HandoffClient:
         if waiter.outcome is not None:
             reader.forget(waiter)  # nothing more will come for it
 
-    async def _reread(self, waiter: Waiter) -> None:
-        """``_refresh`` for a caller waiting on the handoff: not found by then, it is gone, and
-        its waiter with it."""
-        try:
-            await self._refresh(waiter)
-        except errors.HandoffNotFound:
-            self._bus.reader(self.agent_id, self._refresh).forget(waiter)
-            raise
+    def _release(self, waiter: Waiter) -> None:
+        """A handle that found its handoff gone lets its hold on the waiter go (a request of the
+        same id under way still holds it)."""
+        self._bus.reader(self.agent_id, self._refresh).release(waiter)
 
     # ------------------------------------------------------------------ transitions
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .errors import HandoffNotFound
 from .models import TERMINAL, HandoffRecord, HandoffResponse
 from .names import split_handoff_id
 from .waiters import Waiter, clock
@@ -26,6 +27,7 @@ class HandoffHandle:
     def __init__(self, client: HandoffClient, waiter: Waiter) -> None:
         self._client = client
         self._waiter = waiter
+        self._holding = True  # one hold on the waiter, let go if the handoff is found gone
         self.handoff_id = waiter.handoff_id
         self.request_id = split_handoff_id(waiter.handoff_id)[1]
 
@@ -51,7 +53,7 @@ class HandoffHandle:
             await waiter.wait_decided(wait)
             if waiter.decision is None:
                 # at or past the deadline the status script itself makes the handoff EXPIRED
-                await self._client._reread(waiter)
+                await self._reread()
         return waiter.decision
 
     async def outcome(self) -> HandoffResponse:
@@ -63,8 +65,19 @@ class HandoffHandle:
         while waiter.outcome is None:
             await waiter.wait_finished(_SAFETY_REFRESH)
             if waiter.outcome is None:
-                await self._client._reread(waiter)
+                await self._reread()
         return waiter.outcome
+
+    async def _reread(self) -> None:
+        """Read the record; not found by then, the handoff is gone and this handle stops
+        holding its waiter."""
+        try:
+            await self._client._refresh(self._waiter)
+        except HandoffNotFound:
+            if self._holding:
+                self._holding = False
+                self._client._release(self._waiter)
+            raise
 
     async def status(self) -> HandoffRecord | None:
         return await self._client.get_handoff_status(self.handoff_id)

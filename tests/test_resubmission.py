@@ -9,7 +9,15 @@ from typing import Any
 import anyio
 import pytest
 
-from handoffbus import HandoffBus, HandoffRequest, HandoffStatus, InvalidRequest, QueueFull, RequestConflict
+from handoffbus import (
+    HandoffBus,
+    HandoffNotFound,
+    HandoffRequest,
+    HandoffStatus,
+    InvalidRequest,
+    QueueFull,
+    RequestConflict,
+)
 from handoffbus.routing import set_id
 from handoffbus.workers.inbox import Inbox
 
@@ -170,6 +178,45 @@ async def test_a_failing_request_leaves_the_waiter_of_its_twin_under_way(backend
         bus.scripts_many = scripts_many  # type: ignore[method-assign]
         assert isinstance(results["creator"], QueueFull)
         handle = results["twin"]
+        await bob.accept_handoff(handle.handoff_id)
+        await bob.complete_handoff(handle.handoff_id, result="done")
+        with anyio.fail_after(5):  # heard from the response stream, not the 30 s safety re-read
+            assert (await handle.outcome()).result == "done"
+
+
+async def test_a_handle_that_finds_nothing_leaves_the_waiter_of_a_request_under_way(
+    backend: str, servers: dict
+) -> None:
+    """A handle on an id not requested yet asks the server and finds nothing, while a request of
+    that id is on its way: the handle is told so, and the request's own handle still hears its
+    responses."""
+    async with make_bus(backend, servers) as bus:
+        alice, bob = bus.client("alice"), bus.client("bob")
+        early = alice.handle("alice/r1")
+        asked, told = anyio.Event(), anyio.Event()
+        scripts_many = bus.scripts_many
+
+        async def held(calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+            if calls[0][0] == "request":  # the request is under way, its record not written yet
+                asked.set()
+                await told.wait()
+            return await scripts_many(calls)
+
+        bus.scripts_many = held  # type: ignore[method-assign]
+        results: dict[str, Any] = {}
+
+        async def send() -> None:
+            results["handle"] = await alice.request_handoff(req("alice", "bob", request_id="r1"))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(send)
+                await asked.wait()
+                with pytest.raises(HandoffNotFound):
+                    await early.decision()  # its deadline unknown: it asks the server at once
+                told.set()
+        bus.scripts_many = scripts_many  # type: ignore[method-assign]
+        handle = results["handle"]
         await bob.accept_handoff(handle.handoff_id)
         await bob.complete_handoff(handle.handoff_id, result="done")
         with anyio.fail_after(5):  # heard from the response stream, not the 30 s safety re-read
