@@ -211,3 +211,19 @@ class ConciergeRelay(Agent):
         except RouteRefused as exc:
             return {"refused": exc.code}
         return {"onward": onward.handoff_id}
+
+
+class BlockingSync(Agent):
+    """A plain-def work hook that never returns by itself (a model call without a timeout).
+    It says so on stdout when it starts, for a test running it in a worker process."""
+
+    agent_id = "blocking-sync-1"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        print(f"working on {handoff.handoff_id}", flush=True)
+        self.release.wait()
+        return "done"

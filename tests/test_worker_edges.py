@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from typing import Any
 
 import anyio
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from handoffbus import HandoffBus, HandoffStatus, Worker
+from handoffbus import HandoffBus, HandoffRequest, HandoffStatus, Worker
 from handoffbus.keys import GROUP
 from handoffbus.routing import set_id
+from handoffbus.workers import Accept, Agent, ReceivedHandoff
 from handoffbus.workers.inbox import Delivery, Inbox
 from handoffbus.workers.lanes import Lanes
 from handoffbus.workers.routes import RouteFeed
@@ -294,3 +297,162 @@ async def test_a_routed_refusal_is_settled_before_it_is_routed_on(bus: HandoffBu
     assert await bus.redis.hgetall(keys.inflight) == {handle.handoff_id.encode(): again.entry_id.encode()}
     pending = await bus.redis.xpending_range(keys.inbox, GROUP, min="-", max="+", count=10)
     assert [(p["message_id"].decode(), p["consumer"]) for p in pending] == [(again.entry_id, b"w2")]
+
+
+async def test_taken_handoffs_whose_load_failed_are_not_reclaimed_by_their_own_worker(real_bus: HandoffBus) -> None:
+    """Taken, their load failed, and the outage outlasted the reclaim time: the worker's own
+    reclaim must not start them beside the fetch loop, which starts them once it can load (two
+    starts ran the work twice)."""
+    handle = await real_bus.client("a").request_handoff(req("a", Echo.agent_id))
+    worker = Worker(real_bus, Echo(), reclaim_idle=0.05)
+    load, submit = worker._inbox.load, worker._submit
+    fetching: list[Any] = []  # the fetch loop's task: the first to load
+    started: list[str] = []
+    reloaded = anyio.Event()
+
+    async def load_fails_once(handoff_ids: Any) -> Any:
+        task = asyncio.current_task()
+        if not fetching:
+            fetching.append(task)
+            raise RedisConnectionError("connection lost")  # the take went through, its load did not
+        if task is not fetching[0]:
+            return await load(handoff_ids)
+        for _ in range(4):  # the outage outlasts the reclaim time: passes that could claim it
+            await worker.wait_reclaim_pass()
+        loaded = await load(handoff_ids)
+        reloaded.set()  # started as this returns, before the fetch loop waits again
+        return loaded
+
+    def counted(lanes: Any, delivery: Delivery, *args: Any) -> None:
+        started.append(delivery.handoff_id)
+        submit(lanes, delivery, *args)
+
+    worker._inbox.load = load_fails_once  # type: ignore[method-assign]
+    worker._submit = counted  # type: ignore[method-assign]
+    async with anyio.create_task_group() as tg:
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            await reloaded.wait()
+            assert (await handle.outcome()).status is HandoffStatus.COMPLETED
+        worker.drain()
+        worker.drain()  # at once: a second start may still be running
+    assert started == [handle.handoff_id]
+
+
+async def test_an_outcome_whose_sending_failed_is_sent_again_not_worked_again(real_bus: HandoffBus) -> None:
+    runs: list[int] = []
+
+    class Counting(Echo):
+        async def on_handoff_received(self, handoff: Any) -> Any:
+            runs.append(handoff.attempt)
+            return "done"
+
+    handle = await real_bus.client("a").request_handoff(req("a", Counting.agent_id))
+    worker = Worker(real_bus, Counting(), reclaim_idle=0.05)
+    transition = worker._client._transition
+    failed: list[str] = []
+
+    async def complete_fails_once(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "complete" and not failed:
+            failed.append(name)
+            raise RedisConnectionError("Connection reset by peer")
+        return await transition(name, *args, **kwargs)
+
+    worker._client._transition = complete_fails_once  # type: ignore[method-assign]
+    async with anyio.create_task_group() as tg:
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            outcome = await handle.outcome()
+        worker.drain()
+    assert failed and outcome.status is HandoffStatus.COMPLETED and outcome.result == "done"
+    assert runs == [1]
+
+
+@pytest.mark.parametrize("hook", ["acceptance", "work"])
+async def test_a_hook_raising_cancelled_error_fails_its_handoff_and_the_worker_goes_on(
+    real_bus: HandoffBus, hook: str
+) -> None:
+    """A hook that awaited something its owner cancelled raises CancelledError: a failed hook,
+    not a stop (raised on, it ended the worker, and each worker of the agent in turn)."""
+
+    class Awaits(Echo):
+        async def on_handoff_request(self, request: HandoffRequest) -> Accept:
+            if hook == "acceptance" and request.request_id == "r1":
+                await _cancelled()
+            return Accept()
+
+        async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+            if hook == "work" and handoff.request.request_id == "r1":
+                await _cancelled()
+            return "done"
+
+    client = real_bus.client("a")
+    first = await client.request_handoff(req("a", Awaits.agent_id, request_id="r1"))
+    worker = Worker(real_bus, Awaits())
+    async with anyio.create_task_group() as tg:
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            outcome = await first.outcome()
+            later = await client.request_handoff(req("a", Awaits.agent_id, request_id="r2"))
+            assert (await later.outcome()).status is HandoffStatus.COMPLETED  # still serving
+        worker.drain()
+    if hook == "acceptance":
+        assert outcome.status is HandoffStatus.REJECTED and outcome.rejection_code == "HOOK_FAILED"
+        assert "CancelledError" in (outcome.rejection_reason or "")
+    else:
+        assert outcome.status is HandoffStatus.FAILED and "CancelledError" in (outcome.error or "")
+
+
+async def _cancelled() -> None:
+    future = asyncio.get_running_loop().create_future()
+    future.cancel()  # e.g. a shared call the hook awaits, cancelled by its owner
+    await future
+
+
+@pytest.mark.parametrize("hook", ["acceptance", "work"])
+async def test_a_stop_does_not_wait_for_a_blocking_plain_hook(real_bus: HandoffBus, hook: str) -> None:
+    """A plain-def hook runs in a thread that may never return (a model call without a timeout):
+    a stop past the grace period ends the worker all the same. Stopped in its acceptance hook,
+    the handoff goes back to the queue, even if the hook answers Accept as the stop lands."""
+    release = threading.Event()
+    entered = anyio.Event()
+
+    class Blocking(Agent):
+        agent_id = "blocking-1"
+
+        def on_handoff_request(self, request: HandoffRequest) -> Accept:
+            if hook == "acceptance":
+                anyio.from_thread.run_sync(entered.set)
+                release.wait(30)
+            return Accept()
+
+        def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+            anyio.from_thread.run_sync(entered.set)
+            release.wait(30)
+            return "done"
+
+    handle = await real_bus.client("a").request_handoff(req("a", Blocking.agent_id))
+    worker = Worker(real_bus, Blocking(), grace=0.1)
+    stopped = anyio.Event()
+
+    async def run() -> None:
+        await worker.run()
+        stopped.set()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            with anyio.fail_after(10):
+                await entered.wait()
+                worker.drain()
+                worker.drain()  # a second stop request: at once
+                await stopped.wait()
+    finally:
+        release.set()  # the hook answers only now, after the stop
+    record = await real_bus.client("a").get_handoff_status(handle.handoff_id)
+    assert record is not None
+    queued = await real_bus.redis.zrange(real_bus.keys.target(Blocking.agent_id).queue, 0, -1)
+    if hook == "acceptance":  # given back, not accepted by the leaving worker
+        assert record.status is HandoffStatus.PENDING and queued == [handle.handoff_id.encode()]
+    else:  # left pending under its lease, to be reclaimed
+        assert record.status is HandoffStatus.ACCEPTED and queued == []

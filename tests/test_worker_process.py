@@ -104,3 +104,33 @@ async def test_one_process_serves_several_agents(real_backend: str, servers: dic
             with anyio.fail_after(30):
                 assert await process.wait() == 0
             await process.aclose()
+
+
+async def test_a_second_sigterm_ends_a_worker_whose_plain_hook_blocks(servers: dict) -> None:
+    """The hook's thread never returns: the process still exits, as a second signal promises,
+    and the handoff stays ACCEPTED under its lease, to be reclaimed."""
+    bus = make_bus("valkey", servers)
+    process = await anyio.open_process(
+        [sys.executable, "-m", "handoffbus", "worker", "tests.agents:BlockingSync", "--redis-url",
+         servers["valkey"].url, "--prefix", bus.config.prefix, "--grace", "0.1"],
+        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        async with bus:
+            handle = await bus.client("req").request_handoff(req("req", "blocking-sync-1"))
+            assert process.stdout is not None
+            seen = b""
+            with anyio.fail_after(30):
+                while b"working on" not in seen:  # the banner, then the hook's own line
+                    seen += await process.stdout.receive()
+            process.send_signal(signal.SIGTERM)
+            process.send_signal(signal.SIGTERM)
+            with anyio.fail_after(30):
+                code = await process.wait()
+            assert code == 0
+            record = await handle.status()
+            assert record is not None and record.status is HandoffStatus.ACCEPTED
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

@@ -8,9 +8,12 @@ unavailable (sysexits' EX_UNAVAILABLE).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, NoReturn
@@ -97,11 +100,32 @@ def run(func: Callable[..., Awaitable[int]], *args: Any) -> None:
     raise typer.Exit(code)
 
 
+#: seconds a stopped process waits for hook threads a stop left running before it exits anyway
+THREADS_WAIT = 1.0
+
+
 def serve(func: Callable[..., Awaitable[int]], *args: Any) -> None:
     """``run`` for a long-running process (worker, forwarder, exporter): its start-up heap is
-    frozen out of the garbage collector first (see runtime.py)."""
+    frozen out of the garbage collector first (see runtime.py). A plain-def hook that a stop
+    left running in its thread does not keep the process: the interpreter would wait for it
+    at exit, however long it blocks."""
     freeze_startup()
-    run(func, *args)
+    try:
+        run(func, *args)
+    except typer.Exit as done:
+        deadline = time.monotonic() + THREADS_WAIT
+        for thread in threading.enumerate():
+            if thread.name == "AnyIO worker thread":  # idle ones end on their own as the loop closed
+                thread.join(max(deadline - time.monotonic(), 0))
+        left = [t for t in threading.enumerate() if t.name == "AnyIO worker thread" and t.is_alive()]
+        if not left:
+            raise
+        logging.getLogger("handoffbus").warning("%d hook threads still running at exit: not waiting for them",
+                                                len(left))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(done.exit_code)
 
 
 def emit_json(value: Any) -> None:

@@ -11,6 +11,7 @@ at once.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import os
@@ -23,7 +24,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 from anyio.abc import TaskStatus
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .. import tracing
 from ..backoff import Backoff
@@ -40,7 +43,7 @@ from ..errors import (
 )
 from ..keys import GROUP
 from ..logs import AgentLog
-from ..models import TERMINAL, HandoffRequest, HandoffStatus
+from ..models import TERMINAL, HandoffRequest, HandoffResponse, HandoffStatus
 from ..names import check_names, split_handoff_id
 from ..policies.blobs import has_blobs, restore
 from ..records import Loaded
@@ -52,7 +55,7 @@ from .routes import RouteFeed
 if TYPE_CHECKING:
     from ..bus import HandoffBus
 
-__all__ = ["Worker", "serve_until_signalled"]
+__all__ = ["HookCancelled", "Worker", "serve_until_signalled"]
 
 log = logging.getLogger("handoffbus")
 #: seconds a registry beat may take once sent before stopping stops waiting for it
@@ -70,13 +73,30 @@ def default_consumer_name() -> str:
     return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+class HookCancelled(HandoffbusError):
+    """A hook raised CancelledError while nothing cancelled its handler (it awaited something
+    its owner cancelled): a failure of the hook, not a stop of the worker."""
+
+
 async def _call(hook: Callable[..., Any], arg: Any) -> Any:
     """Await an async hook; run a plain one in a worker thread so it cannot block the loop,
     unless it is marked inline."""
-    if inspect.iscoroutinefunction(hook):
-        return await hook(arg)
-    result = hook(arg) if is_inline(hook) else await anyio.to_thread.run_sync(hook, arg)
-    return await result if inspect.isawaitable(result) else result  # e.g. a plain def returning a coroutine
+    try:
+        if inspect.iscoroutinefunction(hook):
+            return await hook(arg)
+        if is_inline(hook):
+            result = hook(arg)
+        else:
+            # a stop does not wait for the thread (it may never return): the handler ends, and
+            # its handoff is given back or left pending as for any hook
+            result = await anyio.to_thread.run_sync(hook, arg, abandon_on_cancel=True)
+        return await result if inspect.isawaitable(result) else result  # e.g. a plain def returning a coroutine
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # the handler itself is cancelled: a stop
+        # not an Exception: raised on, it would end the lane and, through the task group, the worker
+        raise HookCancelled(f"{getattr(hook, '__name__', 'hook')} raised CancelledError: {exc}") from exc
 
 
 class Worker:
@@ -418,6 +438,8 @@ class Worker:
             except (RedisError, OSError) as exc:
                 self._done = done + self._done  # settle them next time
                 carried = taken  # delivered to this consumer already: not left for a reclaim
+                for delivery in carried:  # held: kept fresh by the heartbeat, and not reclaimed by this worker
+                    self._entries[delivery.handoff_id] = delivery.entry_id
                 # connection lost, server restarting, or a failover's UNBLOCKED/READONLY/LOADING; or,
                 # isolated, the forwarder refused a call (a pull from a set it was not granted)
                 delay = backoff.delay()
@@ -533,15 +555,14 @@ class Worker:
     async def _act(
         self, hid: str, request: HandoffRequest, decision: Accept | Reject, created_ms: int
     ) -> HandoffStatus:
-        client, codec = self._client, self.bus.codec
+        codec = self.bus.codec
         if isinstance(decision, Reject):
             fields = rejection_fields(decision.reason, decision.code, decision.retry_after_ms, decision.redirect_to)
             # a routed handoff refused goes on to another agent: it stays PENDING
             with tracing.settle_span(self._inbox_key, hid, "REJECTED"):
-                return (await client._transition("reject", hid, fields, settle=False, created_ms=created_ms)).status
+                return (await self._send("reject", hid, fields, created_ms)).status
         meta = codec.dumps_value(decision.metadata) if decision.metadata else None
-        await client._transition("accept", hid, {"rmeta": meta, "lease": self.consumer}, settle=False,
-                                 created_ms=created_ms)
+        await self._send("accept", hid, {"rmeta": meta, "lease": self.consumer}, created_ms)
         return await self._work(hid, request, 1, created_ms)
 
     async def _work(self, hid: str, request: HandoffRequest, attempt: int, created_ms: int) -> HandoffStatus:
@@ -567,8 +588,7 @@ class Worker:
                                        extra={"handoff_id": hid})
                     error = f"{type(exc).__name__}: {exc}"
                     with tracing.settle_span(self._inbox_key, hid, "FAILED"):
-                        await client._transition("fail", hid, {"error": error, "lease": self.consumer},
-                                                 settle=False, created_ms=created_ms)
+                        await self._send("fail", hid, {"error": error, "lease": self.consumer}, created_ms)
                     return HandoffStatus.FAILED
                 delay = policy.delay_before(attempt)
                 self._log.warning("%s: handler failed for %s (attempt %d: %s); retrying in %.2fs",
@@ -577,9 +597,22 @@ class Worker:
             attempt = await self._take_over(hid, retry=True)
         packed = None if result is None else codec.dumps_value(result)
         with tracing.settle_span(self._inbox_key, hid, "COMPLETED"):
-            await client._transition("complete", hid, {"result": packed, "lease": self.consumer}, settle=False,
-                                     created_ms=created_ms)
+            await self._send("complete", hid, {"result": packed, "lease": self.consumer}, created_ms)
         return HandoffStatus.COMPLETED
+
+    async def _send(self, name: str, hid: str, fields: dict[str, Any], created_ms: int) -> HandoffResponse:
+        """Send a transition this worker decided on until the server answers it: given up on a
+        lost connection, the handoff would be reclaimed and its hooks run again. A repeat under
+        the same lease is answered as done; a stop ends the trying, leaving it pending."""
+        backoff = Backoff()
+        while True:
+            try:
+                return await self._client._transition(name, hid, fields, settle=False, created_ms=created_ms)
+            except (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OSError) as exc:
+                delay = backoff.delay()
+                self._log.warning("%s: %s of %s not sent (%s); retrying in %.2fs", self.consumer, name, hid, exc,
+                                  delay, extra={"handoff_id": hid})
+                await anyio.sleep(delay)
 
     async def _renew(self, hid: str) -> None:
         """A handler's own heartbeat: refresh its inbox entry, then confirm the lease is still ours."""
