@@ -220,11 +220,19 @@ class HandoffClient:
                 # crash between them leaves a PENDING record that expires at its deadline
                 replies = await bus.scripts_many([*record_calls, *follow])
                 reply, followed = replies[len(record_calls) - 1], replies[len(record_calls):]
-            for failed in (*replies[:len(record_calls)], *followed):
+            for failed in replies[:len(record_calls)]:
                 if isinstance(failed, BaseException):
                     raise failed
             code = int(reply[0])
             status = HandoffStatus(reply[1].decode()) if code >= 0 else None
+            if status is None and not request.to_agent and followed and followed[0] == 1 and bus.isolated is None:
+                # refused, nothing created: the route entry sent with it goes (an isolated agent
+                # may not reach the set's slot; pulled, an entry without a record is dropped)
+                await bus.router.unroute(caps, handoff_id)
+            if status is not None:  # a refused record says why first: the calls after it failed for it
+                for failed in followed:
+                    if isinstance(failed, BaseException):
+                        raise failed
             enqueued = followed[0] if request.to_agent and followed else None
             if enqueued == 1 and bus.isolated is None and (
                 status is not HandoffStatus.PENDING
@@ -242,11 +250,12 @@ class HandoffClient:
                 raise_for_code(QUEUE_FULL, handoff_id, self.agent_id, "request", request.to_agent.encode())
             if code == 1:  # a new handoff ("" for a routed one: counted by listeners, not in Redis)
                 bus.tally.add(request.to_agent, "requested")
+                waiter = reader.created(waiter, reply[4])
             waiter.set_deadline(int(reply[2]), int(reply[3]))
-            reader.start(reply[4])
+            late = reader.start(reply[4])
             if status in TERMINAL and request.to_agent:
                 await bus.settle(request.to_agent, [handoff_id])  # e.g. this resubmission expired it
-            if status is not HandoffStatus.PENDING:
+            if status is not HandoffStatus.PENDING or late:
                 await self._refresh(waiter)
             return HandoffHandle(self, waiter)
         except BaseException:
@@ -275,9 +284,19 @@ class HandoffClient:
         requester, _ = split_handoff_id(handoff_id)
         if requester != self.agent_id:
             raise NotPermitted(handoff_id, self.agent_id, "await a handoff requested by another agent")
+        return HandoffHandle(self, Waiter(handoff_id), holding=False)  # it holds a waiter once awaited
+
+    def _holds(self, waiter: Waiter) -> bool:
+        """Whether responses reach ``waiter`` (not once it was let go, nor after the bus reopened)."""
+        return self._bus.reader(self.agent_id, self._refresh).holds(waiter)
+
+    def _watch(self, handoff_id: str) -> Waiter:
+        """The handoff's waiter, held once more for a handle (its deadline unknown, if it has
+        heard nothing: the first wait asks the server)."""
         waiter = self._bus.reader(self.agent_id, self._refresh).watch(handoff_id)
-        waiter.deadline_at = waiter.deadline_at or 0.0  # unknown: ask the server on first wait
-        return HandoffHandle(self, waiter)
+        if waiter.decision is None:
+            waiter.deadline_at = waiter.deadline_at or 0.0
+        return waiter
 
     async def _now_ms(self) -> int:
         """The server's time, estimated from one TIME call and the monotonic clock since (a
@@ -291,10 +310,13 @@ class HandoffClient:
         """Read the record (expiring it if due), feed the waiter and make sure the reader runs."""
         reader = self._bus.reader(self.agent_id, self._refresh)
         found = await self._bus.read_record(waiter.handoff_id)
+        if found is not None and reader.start(found[1]):  # read before where reading began: once more
+            found = await self._bus.read_record(waiter.handoff_id)
+            if found is not None:
+                reader.start(found[1])
         if found is None:  # or not written yet: a waiter is registered before its request
             raise errors.HandoffNotFound(waiter.handoff_id)
-        now_ms, cursor, record = found
-        reader.start(cursor)
+        now_ms, _, record = found
         if record.status is HandoffStatus.PENDING:
             waiter.set_deadline(now_ms, record.deadline_ms)
         else:

@@ -24,10 +24,12 @@ _SAFETY_REFRESH = 30.0
 class HandoffHandle:
     """An awaitable view of one handoff. Responses are pushed; nothing here polls."""
 
-    def __init__(self, client: HandoffClient, waiter: Waiter) -> None:
+    def __init__(self, client: HandoffClient, waiter: Waiter, *, holding: bool = True) -> None:
         self._client = client
         self._waiter = waiter
-        self._holding = True  # one hold on the waiter, let go if the handoff is found gone
+        # whether this handle holds its waiter: taken when awaited, let go if the handoff is
+        # found gone (a handle never awaited holds nothing, so dropping it leaks nothing)
+        self._holding = holding
         self.handoff_id = waiter.handoff_id
         self.request_id = split_handoff_id(waiter.handoff_id)[1]
 
@@ -40,13 +42,23 @@ class HandoffHandle:
     def __repr__(self) -> str:
         return f"<HandoffHandle {self.handoff_id!r}>"
 
+    def _held(self) -> Waiter:
+        """The waiter to wait on, held by this handle: taken anew if it let go, or if responses
+        no longer reach it (the bus was closed and opened again)."""
+        if not (self._holding and self._client._holds(self._waiter)):
+            self._waiter = self._client._watch(self.handoff_id)
+            self._holding = True
+        return self._waiter
+
     async def decision(self) -> HandoffResponse:
         """ACCEPTED, REJECTED, EXPIRED or CANCELLED; always arrives by the acceptance deadline.
 
         To bound the wait further, wrap it: ``with anyio.fail_after(5): await handle.decision()``.
         """
-        waiter = self._waiter
-        while waiter.decision is None:
+        while self._waiter.decision is None:
+            waiter = self._held()
+            if waiter.decision is not None:
+                break
             wait = _SAFETY_REFRESH
             if waiter.deadline_at is not None:
                 wait = min(wait, max(waiter.deadline_at - clock(), 0) + _DEADLINE_GRACE)
@@ -54,19 +66,25 @@ class HandoffHandle:
             if waiter.decision is None:
                 # at or past the deadline the status script itself makes the handoff EXPIRED
                 await self._reread()
-        return waiter.decision
+        decision = self._waiter.decision
+        assert decision is not None
+        return decision
 
     async def outcome(self) -> HandoffResponse:
         """COMPLETED or FAILED, or the decision when it was final (REJECTED, EXPIRED, CANCELLED)."""
         decision = await self.decision()
         if decision.status in TERMINAL:
             return decision
-        waiter = self._waiter
-        while waiter.outcome is None:
+        while self._waiter.outcome is None:
+            waiter = self._held()
+            if waiter.outcome is not None:
+                break
             await waiter.wait_finished(_SAFETY_REFRESH)
             if waiter.outcome is None:
                 await self._reread()
-        return waiter.outcome
+        outcome = self._waiter.outcome
+        assert outcome is not None
+        return outcome
 
     async def _reread(self) -> None:
         """Read the record; not found by then, the handoff is gone and this handle stops

@@ -190,6 +190,15 @@ class Router:
             handoff_id, priority, deadline_ms, refused, deferred, int(config.route_age_step * 1000), since_ms,
         ]
 
+    async def unroute(self, canonical: str, handoff_id: str) -> None:
+        """Take back the entry a new request's ``route`` call queued when its record was
+        refused (it travels in the record's round trip): no handoff stands behind it."""
+        route = self._bus.keys.route(set_id(canonical))
+        async with self._bus.redis.pipeline(transaction=False) as pipe:
+            pipe.zrem(route.queue, handoff_id)
+            pipe.hdel(route.meta, handoff_id)
+            await pipe.execute()
+
     def ring_calls(self, candidates: Sequence[AgentInfo], handoff_id: str, deferred: str = ",") -> list[Call]:
         """Wake capable agents with room that are not deferred (the others pull when they
         next have room, or after their block timeout)."""

@@ -32,6 +32,12 @@ __all__ = ["ResponseReader", "Waiter", "clock"]
 log = logging.getLogger("handoffbus")
 
 
+def entry_position(entry_id: bytes) -> tuple[int, int]:
+    """A stream entry id as (ms, sequence), to compare two ids."""
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)
+
+
 def clock() -> float:
     """``anyio.current_time()`` on asyncio, read from the loop directly: the bus runs on asyncio
     only, and anyio's lookup of the running backend costs several times the read."""
@@ -45,7 +51,7 @@ class Waiter:
     twice per handoff, and the scope costs about three times as much. Outer cancellation
     reaches the future as any await."""
 
-    __slots__ = ("_on_decision", "_on_outcome", "deadline_at", "decision", "handoff_id", "holders", "outcome")
+    __slots__ = ("_on_decision", "_on_outcome", "deadline_at", "decision", "handoff_id", "holders", "outcome", "since")
 
     def __init__(self, handoff_id: str) -> None:
         self.handoff_id = handoff_id
@@ -57,6 +63,9 @@ class Waiter:
         self.deadline_at: float | None = None
         #: the requests and handles watching it (see ResponseReader.release)
         self.holders = 0
+        #: the response stream's last entry when the handoff was created: entries up to it
+        #: belong to an earlier handoff under the same id (its record expired since)
+        self.since: tuple[int, int] | None = None
 
     async def wait_decided(self, limit: float) -> None:
         """Until the decision is known, or for ``limit`` seconds at most."""
@@ -133,6 +142,7 @@ class ResponseReader:
         self._refresh = refresh
         self._waiters: dict[str, Waiter] = {}
         self._cursor: bytes | None = None
+        self._started = b"0-0"  # where reading began
 
     def watch(self, handoff_id: str) -> Waiter:
         """The handoff's waiter, held once more until ``release`` (or its outcome)."""
@@ -144,6 +154,23 @@ class ResponseReader:
 
     def watching(self, handoff_id: str) -> bool:
         return handoff_id in self._waiters
+
+    def holds(self, waiter: Waiter) -> bool:
+        """Whether responses reach ``waiter`` (it may have been let go, or the bus reopened)."""
+        return self._waiters.get(waiter.handoff_id) is waiter
+
+    def created(self, waiter: Waiter, cursor: bytes) -> Waiter:
+        """The request holding ``waiter`` created its handoff, after ``cursor``: what the waiter
+        heard before belongs to an earlier handoff of the same id, as does anything the reader
+        has yet to pass up to ``cursor``. A waiter that heard something is replaced, this
+        request's hold moving to the new one (earlier handles keep the old)."""
+        if waiter.decision is not None or waiter.outcome is not None:
+            fresh = Waiter(waiter.handoff_id)
+            fresh.holders = 1
+            waiter.holders -= 1
+            self._waiters[waiter.handoff_id] = waiter = fresh
+        waiter.since = entry_position(cursor)
+        return waiter
 
     def release(self, waiter: Waiter) -> None:
         """A request that failed lets its hold go: the waiter is forgotten once no request or
@@ -157,16 +184,20 @@ class ResponseReader:
         if self._waiters.get(waiter.handoff_id) is waiter:
             del self._waiters[waiter.handoff_id]
 
-    def start(self, cursor: bytes) -> None:
-        """Start reading after ``cursor`` unless already reading (then from an earlier point)."""
+    def start(self, cursor: bytes) -> bool:
+        """Start reading after ``cursor`` unless already reading. True when the reading started
+        after ``cursor`` (another caller started it first, from a later point): entries between
+        the two were never read, and the caller must read its record again."""
         if self._cursor is None:
-            self._cursor = cursor
+            self._cursor = self._started = cursor
             self._bus.spawn(self._run, name=f"handoffbus responses {self._agent}")
+            return False
+        return self._started != cursor and entry_position(self._started) > entry_position(cursor)
 
-    def _dispatch(self, fields: dict[bytes, bytes]) -> None:
+    def _dispatch(self, fields: dict[bytes, bytes], entry_id: bytes) -> None:
         handoff_id = fields[b"id"].decode()
         waiter = self._waiters.get(handoff_id)
-        if waiter is None:
+        if waiter is None or (waiter.since is not None and entry_position(entry_id) <= waiter.since):
             return
         # with a keyring a response without its actor's signature raises here: it is logged and not believed
         waiter.feed(response_from_fields(handoff_id, fields, self._bus.codec, self._bus.keyring))
@@ -222,6 +253,6 @@ class ResponseReader:
                     try:
                         if not isinstance(fields, dict):
                             fields = dict(zip(fields[::2], fields[1::2], strict=True))
-                        self._dispatch(fields)
+                        self._dispatch(fields, entry_id)
                     except Exception:
                         log.exception("undecodable response %r on %s", entry_id, self._stream)

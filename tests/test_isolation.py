@@ -27,6 +27,7 @@ from handoffbus import (
     Keyring,
     NotPermitted,
     SigningKey,
+    TooManyPending,
     Worker,
 )
 from handoffbus.acl import AclUser, agent_user, forwarder_user
@@ -54,7 +55,7 @@ class Setup:
 @asynccontextmanager
 async def isolated(real_backend: str, servers: dict, agents: tuple[str, ...] = AGENTS,
                    forwarder_connections: int | None = None,
-                   grants: dict[str, list[str]] | None = None) -> AsyncIterator[Setup]:
+                   grants: dict[str, list[str]] | None = None, **settings: Any) -> AsyncIterator[Setup]:
     """ACL users for the agents and the forwarder; a bus per agent, as its own user."""
     server = servers[real_backend]
     prefix = new_prefix()
@@ -75,7 +76,7 @@ async def isolated(real_backend: str, servers: dict, agents: tuple[str, ...] = A
             await tg.start(forwarder.run)
             async with contextlib.AsyncExitStack() as stack:
                 buses = {a: await stack.enter_async_context(
-                    HandoffBus.connect(url(users[a]), prefix=prefix, isolated=a)) for a in agents}
+                    HandoffBus.connect(url(users[a]), prefix=prefix, isolated=a, **settings)) for a in agents}
                 yield Setup(prefix, forwarder, trusted, buses)
             tg.cancel_scope.cancel()
     finally:
@@ -486,3 +487,15 @@ async def test_an_isolated_agents_refusal_of_its_own_routed_request_is_settled(
         assert await trusted.redis.hgetall(keys.inflight) == {}
         assert (await trusted.redis.xpending(keys.inbox, "workers"))["pending"] == 0
         assert taken.handoff_id == handle.handoff_id
+
+
+@pytest.mark.parametrize("to", ["echo-1", ""])
+async def test_an_isolated_requester_at_its_cap_is_told_so(real_backend: str, servers: dict, to: str) -> None:
+    """The record is refused; the call sent with it (forwarded, and refused there for want of a
+    record) must not hide why."""
+    async with isolated(real_backend, servers, max_pending=1) as setup:
+        client = setup.buses["req"].client("req")
+        await client.request_handoff(req("req", "echo-1"))  # at the cap now
+        with anyio.fail_after(10), pytest.raises(TooManyPending):
+            await client.request_handoff(HandoffRequest(
+                from_agent="req", to_agent=to, capabilities_required=[] if to else ["echo"], timeout=60))

@@ -17,8 +17,9 @@ from handoffbus import (
     InvalidRequest,
     QueueFull,
     RequestConflict,
+    TooManyPending,
 )
-from handoffbus.routing import set_id
+from handoffbus.routing import capability_set, set_id
 from handoffbus.workers.inbox import Inbox
 
 from .conftest import make_bus
@@ -247,3 +248,16 @@ async def test_a_resubmission_never_leaves_a_queue_entry_for_a_handoff_decided_m
         await bob.complete_handoff(first.handoff_id, result="done")
         with anyio.fail_after(5):
             assert (await again.outcome()).result == "done"
+
+
+async def test_a_routed_request_refused_at_the_cap_leaves_no_route_entry(backend: str, servers: dict) -> None:
+    """A new id sends its record and its route in one round trip: the record refused, the route
+    entry must go too (no handoff stands behind it, and capable agents would pull it for nothing)."""
+    async with make_bus(backend, servers, max_pending=1) as bus:
+        client = bus.client("req")
+        await client.request_handoff(req("req", "slow-1"))  # at the cap now
+        with pytest.raises(TooManyPending):
+            await client.request_handoff(HandoffRequest(from_agent="req", capabilities_required=["x"], timeout=60))
+        route = bus.keys.route(set_id(capability_set(["x"])))
+        assert await bus.redis.zrange(route.queue, 0, -1) == []
+        assert await bus.redis.hlen(route.meta) == 0

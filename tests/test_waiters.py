@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from handoffbus import HandoffBus, HandoffNotFound, HandoffResponse, HandoffStatus
 
-from .conftest import SERVER_BINARIES, Servers, new_prefix
+from .conftest import SERVER_BINARIES, Servers, make_bus, new_prefix
 from .helpers import req
 
 pytestmark = pytest.mark.anyio
@@ -203,3 +203,135 @@ async def test_responses_reach_their_waiters_over_resp3_connections(server: str,
             assert (await handle.decision()).status is HandoffStatus.ACCEPTED
             outcome = await handle.outcome()
         assert (outcome.status, outcome.result) == (HandoffStatus.COMPLETED, "ok")
+
+
+async def test_a_reader_started_by_a_later_request_leaves_no_response_unheard(bus: HandoffBus) -> None:
+    """A fresh process: a request's record is written and accepted at once; before its task
+    starts the agent's reader, a second request starts it, from after that ACCEPTED."""
+    alice, bob = bus.client("alice"), bus.client("bob")
+    scripts_many = bus.scripts_many
+    interleaved: list[str] = []
+
+    async def accepted_meanwhile(calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+        replies = await scripts_many(calls)
+        if calls[0][0] == "request" and not interleaved:
+            interleaved.append(calls[0][2][0])
+            await bob.accept_handoff(calls[0][2][0])  # its response lands after this request's cursor
+            await alice.request_handoff(req("alice", "bob"))  # starts the reader after that response
+        return replies
+
+    bus.scripts_many = accepted_meanwhile  # type: ignore[method-assign]
+    handle = await alice.request_handoff(req("alice", "bob"))
+    bus.scripts_many = scripts_many  # type: ignore[method-assign]
+    with anyio.fail_after(5):  # not at the 30 s safety re-read
+        assert (await handle.decision()).status is HandoffStatus.ACCEPTED
+
+
+async def test_a_handle_awaited_again_after_it_found_nothing_hears_the_handoff(
+    real_backend: str, servers: Servers
+) -> None:
+    """A handle on r1 finds nothing; r1 is then requested (by another process) and the handle
+    awaited again: it must be pushed the decision, not hear it at the 30 s safety re-read."""
+    async with make_bus(real_backend, servers) as bus, \
+            make_bus(real_backend, servers, prefix=bus.config.prefix) as elsewhere:
+        alice, bob = bus.client("alice"), bus.client("bob")
+        early = alice.handle("alice/r1")
+        with pytest.raises(HandoffNotFound):
+            await early.decision()
+        await elsewhere.client("alice").request_handoff(req("alice", "bob", request_id="r1"))
+        scripts_many = bus.scripts_many
+        read = anyio.Event()
+
+        async def noting(calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+            replies = await scripts_many(calls)
+            if calls[0][0] == "status":
+                read.set()  # the handle read the record (PENDING) and waits now
+            return replies
+
+        bus.scripts_many = noting  # type: ignore[method-assign]
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+
+                async def await_it() -> None:
+                    assert (await early.decision()).status is HandoffStatus.ACCEPTED
+
+                tg.start_soon(await_it)
+                await read.wait()
+                bus.scripts_many = scripts_many  # type: ignore[method-assign]
+                await bob.accept_handoff("alice/r1")
+
+
+async def test_a_handle_not_awaited_holds_nothing(bus: HandoffBus) -> None:
+    alice = bus.client("alice")
+    first = await alice.request_handoff(req("alice", "bob", request_id="r1"))
+    await first.cancel()
+    with anyio.fail_after(5):
+        await first.outcome()
+    for _ in range(3):
+        record = await alice.handle("alice/r1").status()
+        assert record is not None and record.status is HandoffStatus.CANCELLED
+    assert not bus.reader("alice", alice._refresh).watching("alice/r1")  # nothing left to re-read on a resync
+
+
+async def test_a_handle_from_before_the_bus_was_reopened_is_pushed_to(backend: str, servers: Servers) -> None:
+    bus = make_bus(backend, servers)
+    async with bus:
+        handle = await bus.client("alice").request_handoff(req("alice", "bob"))
+    async with bus:  # its readers were dropped at close
+        await bus.client("bob").accept_handoff(handle.handoff_id)
+        with anyio.fail_after(5):  # not at the 30 s safety re-read
+            assert (await handle.decision()).status is HandoffStatus.ACCEPTED
+
+
+class HeldLine:
+    """The response reader's connection; while ``holding``, a reply with entries is handed over
+    only once ``released`` is set (the reader lagging: a busy loop, or backing off)."""
+
+    def __init__(self, line: Any) -> None:
+        self.line = line
+        self.holding = False
+        self.held = anyio.Event()
+        self.released = anyio.Event()
+
+    async def command(self, *args: Any) -> Any:
+        reply = await self.line.command(*args)
+        if self.holding and reply:
+            self.held.set()
+            await self.released.wait()
+        return reply
+
+    async def close(self) -> None:
+        await self.line.close()
+
+
+async def test_a_request_id_used_again_hears_only_its_own_handoff(real_backend: str, servers: Servers) -> None:
+    """r1 is finished and its record gone (retention), while the reader still has r1's
+    responses to pass on; r1 is requested again: its handle must not take them as its own."""
+    async with make_bus(real_backend, servers) as bus:
+        alice, bob = bus.client("alice"), bus.client("bob")
+        lines: list[HeldLine] = []
+        blocking_line = bus.blocking_line
+        reading = anyio.Event()
+
+        def held_line() -> Any:
+            lines.append(HeldLine(blocking_line()))
+            reading.set()
+            return lines[-1]
+
+        bus.blocking_line = held_line  # type: ignore[method-assign]
+        await alice.request_handoff(req("alice", "bob", request_id="r1", reason="first"))
+        await reading.wait()
+        [line] = lines
+        line.holding = True
+        await bob.accept_handoff("alice/r1")
+        await line.held.wait()  # the reader has ACCEPTED in hand, not yet passed on
+        await bob.complete_handoff("alice/r1", result="old result")
+        keys = bus.keys.record("alice", "r1")
+        await bus.redis.delete(keys.record, keys.envelope)  # what record_retention's TTL does
+        second = await alice.request_handoff(req("alice", "bob", request_id="r1", reason="second"))
+        line.released.set()
+        await bob.accept_handoff("alice/r1")
+        await bob.complete_handoff("alice/r1", result="new result")
+        with anyio.fail_after(5):
+            outcome = await second.outcome()
+        assert outcome.status is HandoffStatus.COMPLETED and outcome.result == "new result"
