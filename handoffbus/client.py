@@ -250,7 +250,7 @@ class HandoffClient:
                 raise_for_code(QUEUE_FULL, handoff_id, self.agent_id, "request", request.to_agent.encode())
             if code == 1:  # a new handoff ("" for a routed one: counted by listeners, not in Redis)
                 bus.tally.add(request.to_agent, "requested")
-                waiter = reader.created(waiter, reply[4])
+                waiter.created_after(reply[4])
             waiter.set_deadline(int(reply[2]), int(reply[3]))
             late = reader.start(reply[4])
             if status in TERMINAL and request.to_agent:

@@ -77,6 +77,12 @@ class Waiter:
         if self.outcome is None:
             await _wait(self._on_outcome, limit)
 
+    def created_after(self, cursor: bytes) -> None:
+        """Its handoff was created after ``cursor``: entries up to it that the reader has yet to
+        pass on belong to an earlier handoff under the same id (its record expired since). What
+        it heard already may be its own: responses can come before the request returns."""
+        self.since = entry_position(cursor)
+
     def set_deadline(self, now_ms: int, deadline_ms: int) -> None:
         self.deadline_at = clock() + max(deadline_ms - now_ms, 0) / 1000
 
@@ -158,19 +164,6 @@ class ResponseReader:
     def holds(self, waiter: Waiter) -> bool:
         """Whether responses reach ``waiter`` (it may have been let go, or the bus reopened)."""
         return self._waiters.get(waiter.handoff_id) is waiter
-
-    def created(self, waiter: Waiter, cursor: bytes) -> Waiter:
-        """The request holding ``waiter`` created its handoff, after ``cursor``: what the waiter
-        heard before belongs to an earlier handoff of the same id, as does anything the reader
-        has yet to pass up to ``cursor``. A waiter that heard something is replaced, this
-        request's hold moving to the new one (earlier handles keep the old)."""
-        if waiter.decision is not None or waiter.outcome is not None:
-            fresh = Waiter(waiter.handoff_id)
-            fresh.holders = 1
-            waiter.holders -= 1
-            self._waiters[waiter.handoff_id] = waiter = fresh
-        waiter.since = entry_position(cursor)
-        return waiter
 
     def release(self, waiter: Waiter) -> None:
         """A request that failed lets its hold go: the waiter is forgotten once no request or

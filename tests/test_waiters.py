@@ -335,3 +335,30 @@ async def test_a_request_id_used_again_hears_only_its_own_handoff(real_backend: 
         with anyio.fail_after(5):
             outcome = await second.outcome()
         assert outcome.status is HandoffStatus.COMPLETED and outcome.result == "new result"
+
+
+async def test_responses_heard_before_the_request_returns_are_kept(bus: HandoffBus) -> None:
+    alice, bob = bus.client("alice"), bus.client("bob")
+    scripts_many = bus.scripts_many
+
+    async def decided_meanwhile(calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+        replies = await scripts_many(calls)
+        if calls[0][0] == "request" and len(calls) > 1:  # the record and its queue entry, written
+            hid = calls[0][2][0]
+            reader = bus.reader("alice", alice._refresh)
+            waiter = reader.watch(hid)  # the request's own (held once more while this looks on)
+            await bob.accept_handoff(hid)
+            await bob.complete_handoff(hid, result="early")
+            with anyio.fail_after(5):
+                while waiter.outcome is None:  # heard through the reader before the request returns
+                    await waiter.wait_finished(5)
+            reader.release(waiter)
+        return replies
+
+    await alice.request_handoff(req("alice", "bob"))  # the reader runs from now on
+    bus.scripts_many = decided_meanwhile  # type: ignore[method-assign]
+    handle = await alice.request_handoff(req("alice", "bob"))
+    bus.scripts_many = scripts_many  # type: ignore[method-assign]
+    with anyio.fail_after(5):
+        outcome = await handle.outcome()
+    assert outcome.status is HandoffStatus.COMPLETED and outcome.result == "early"
