@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import re
@@ -11,6 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from redis.exceptions import RedisError
 
 from . import errors, tracing
 from .config import MAX_PRIORITY
@@ -75,6 +77,8 @@ def request_fingerprint(request: HandoffRequest) -> bytes:
     return hashlib.blake2b(body, digest_size=16).digest()
 
 __all__ = ["HandoffClient"]
+
+log = logging.getLogger("handoffbus")
 
 #: the status each signed transition writes
 SIGNED_STATUS = {"accept": "ACCEPTED", "reject": "REJECTED", "complete": "COMPLETED", "fail": "FAILED",
@@ -228,7 +232,10 @@ class HandoffClient:
             if status is None and not request.to_agent and followed and followed[0] == 1 and bus.isolated is None:
                 # refused, nothing created: the route entry sent with it goes (an isolated agent
                 # may not reach the set's slot; pulled, an entry without a record is dropped)
-                await bus.router.unroute(caps, handoff_id)
+                try:
+                    await bus.router.unroute(caps, handoff_id)
+                except (RedisError, OSError) as exc:  # the refusal is what the caller must hear
+                    log.warning("could not take back the route entry of refused %s: %s", handoff_id, exc)
             if status is not None:  # a refused record says why first: the calls after it failed for it
                 for failed in followed:
                     if isinstance(failed, BaseException):
@@ -250,7 +257,7 @@ class HandoffClient:
                 raise_for_code(QUEUE_FULL, handoff_id, self.agent_id, "request", request.to_agent.encode())
             if code == 1:  # a new handoff ("" for a routed one: counted by listeners, not in Redis)
                 bus.tally.add(request.to_agent, "requested")
-                waiter.created_after(reply[4])
+                reader.created(waiter, reply[4])
             waiter.set_deadline(int(reply[2]), int(reply[3]))
             late = reader.start(reply[4])
             if status in TERMINAL and request.to_agent:
@@ -291,12 +298,8 @@ class HandoffClient:
         return self._bus.reader(self.agent_id, self._refresh).holds(waiter)
 
     def _watch(self, handoff_id: str) -> Waiter:
-        """The handoff's waiter, held once more for a handle (its deadline unknown, if it has
-        heard nothing: the first wait asks the server)."""
-        waiter = self._bus.reader(self.agent_id, self._refresh).watch(handoff_id)
-        if waiter.decision is None:
-            waiter.deadline_at = waiter.deadline_at or 0.0
-        return waiter
+        """The handoff's waiter, held once more for a handle."""
+        return self._bus.reader(self.agent_id, self._refresh).watch(handoff_id)
 
     async def _now_ms(self) -> int:
         """The server's time, estimated from one TIME call and the monotonic clock since (a

@@ -42,12 +42,14 @@ class HandoffHandle:
     def __repr__(self) -> str:
         return f"<HandoffHandle {self.handoff_id!r}>"
 
-    def _held(self) -> Waiter:
+    async def _held(self) -> Waiter:
         """The waiter to wait on, held by this handle: taken anew if it let go, or if responses
-        no longer reach it (the bus was closed and opened again)."""
+        no longer reach it (the bus was closed and opened again), and then read at once: what
+        it missed meanwhile is only in the record (and the read starts the bus's reader)."""
         if not (self._holding and self._client._holds(self._waiter)):
             self._waiter = self._client._watch(self.handoff_id)
             self._holding = True
+            await self._reread()
         return self._waiter
 
     async def decision(self) -> HandoffResponse:
@@ -56,7 +58,7 @@ class HandoffHandle:
         To bound the wait further, wrap it: ``with anyio.fail_after(5): await handle.decision()``.
         """
         while self._waiter.decision is None:
-            waiter = self._held()
+            waiter = await self._held()
             if waiter.decision is not None:
                 break
             wait = _SAFETY_REFRESH
@@ -76,7 +78,7 @@ class HandoffHandle:
         if decision.status in TERMINAL:
             return decision
         while self._waiter.outcome is None:
-            waiter = self._held()
+            waiter = await self._held()
             if waiter.outcome is not None:
                 break
             await waiter.wait_finished(_SAFETY_REFRESH)

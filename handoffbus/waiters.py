@@ -51,7 +51,8 @@ class Waiter:
     twice per handoff, and the scope costs about three times as much. Outer cancellation
     reaches the future as any await."""
 
-    __slots__ = ("_on_decision", "_on_outcome", "deadline_at", "decision", "handoff_id", "holders", "outcome", "since")
+    __slots__ = ("_on_decision", "_on_outcome", "deadline_at", "decision", "handoff_id", "heard", "holders", "outcome",
+                 "since")
 
     def __init__(self, handoff_id: str) -> None:
         self.handoff_id = handoff_id
@@ -66,6 +67,8 @@ class Waiter:
         #: the response stream's last entry when the handoff was created: entries up to it
         #: belong to an earlier handoff under the same id (its record expired since)
         self.since: tuple[int, int] | None = None
+        #: the response stream entry it last heard from
+        self.heard: tuple[int, int] | None = None
 
     async def wait_decided(self, limit: float) -> None:
         """Until the decision is known, or for ``limit`` seconds at most."""
@@ -76,12 +79,6 @@ class Waiter:
         """Until the outcome is known, or for ``limit`` seconds at most."""
         if self.outcome is None:
             await _wait(self._on_outcome, limit)
-
-    def created_after(self, cursor: bytes) -> None:
-        """Its handoff was created after ``cursor``: entries up to it that the reader has yet to
-        pass on belong to an earlier handoff under the same id (its record expired since). What
-        it heard already may be its own: responses can come before the request returns."""
-        self.since = entry_position(cursor)
 
     def set_deadline(self, now_ms: int, deadline_ms: int) -> None:
         self.deadline_at = clock() + max(deadline_ms - now_ms, 0) / 1000
@@ -165,6 +162,17 @@ class ResponseReader:
         """Whether responses reach ``waiter`` (it may have been let go, or the bus reopened)."""
         return self._waiters.get(waiter.handoff_id) is waiter
 
+    def created(self, waiter: Waiter, cursor: bytes) -> None:
+        """The request holding ``waiter`` created its handoff after ``cursor``: entries up to it
+        belong to an earlier handoff under the same id (its record expired since). Those the
+        reader has yet to pass on are ignored from now; what the waiter heard from them already
+        is dropped, and it listens again. What it heard after them is its own: a handoff's
+        responses can come before its request returns."""
+        since = waiter.since = entry_position(cursor)
+        if waiter.heard is not None and waiter.heard <= since:
+            waiter.decision = waiter.outcome = waiter.heard = None
+            self._waiters.setdefault(waiter.handoff_id, waiter)
+
     def release(self, waiter: Waiter) -> None:
         """A request that failed lets its hold go: the waiter is forgotten once no request or
         handle holds it (two requests with one id may be under way at once, and the one that
@@ -190,8 +198,12 @@ class ResponseReader:
     def _dispatch(self, fields: dict[bytes, bytes], entry_id: bytes) -> None:
         handoff_id = fields[b"id"].decode()
         waiter = self._waiters.get(handoff_id)
-        if waiter is None or (waiter.since is not None and entry_position(entry_id) <= waiter.since):
+        if waiter is None:
             return
+        position = entry_position(entry_id)
+        if waiter.since is not None and position <= waiter.since:
+            return
+        waiter.heard = position
         # with a keyring a response without its actor's signature raises here: it is logged and not believed
         waiter.feed(response_from_fields(handoff_id, fields, self._bus.codec, self._bus.keyring))
         if waiter.outcome is not None:

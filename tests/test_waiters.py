@@ -273,14 +273,29 @@ async def test_a_handle_not_awaited_holds_nothing(bus: HandoffBus) -> None:
     assert not bus.reader("alice", alice._refresh).watching("alice/r1")  # nothing left to re-read on a resync
 
 
-async def test_a_handle_from_before_the_bus_was_reopened_is_pushed_to(backend: str, servers: Servers) -> None:
+@pytest.mark.parametrize("heard", ["nothing", "the decision"])
+async def test_a_handle_from_before_the_bus_was_reopened_is_pushed_to(
+    backend: str, servers: Servers, heard: str
+) -> None:
     bus = make_bus(backend, servers)
     async with bus:
         handle = await bus.client("alice").request_handoff(req("alice", "bob"))
+        if heard == "the decision":
+            await bus.client("bob").accept_handoff(handle.handoff_id)
+            with anyio.fail_after(5):
+                await handle.decision()
     async with bus:  # its readers were dropped at close
-        await bus.client("bob").accept_handoff(handle.handoff_id)
         with anyio.fail_after(5):  # not at the 30 s safety re-read
-            assert (await handle.decision()).status is HandoffStatus.ACCEPTED
+            async with anyio.create_task_group() as tg:
+
+                async def finish() -> None:
+                    await anyio.wait_all_tasks_blocked()  # the handle waits now
+                    if heard == "nothing":
+                        await bus.client("bob").accept_handoff(handle.handoff_id)
+                    await bus.client("bob").complete_handoff(handle.handoff_id, result="r")
+
+                tg.start_soon(finish)
+                assert (await handle.outcome()).result == "r"
 
 
 class HeldLine:
@@ -304,9 +319,13 @@ class HeldLine:
         await self.line.close()
 
 
-async def test_a_request_id_used_again_hears_only_its_own_handoff(real_backend: str, servers: Servers) -> None:
+@pytest.mark.parametrize("caught_up", ["after the request", "while the request is on its way"])
+async def test_a_request_id_used_again_hears_only_its_own_handoff(
+    real_backend: str, servers: Servers, caught_up: str
+) -> None:
     """r1 is finished and its record gone (retention), while the reader still has r1's
-    responses to pass on; r1 is requested again: its handle must not take them as its own."""
+    responses to pass on; r1 is requested again: its handle must not take them as its own,
+    whether the reader passes them on before or after the request returns."""
     async with make_bus(real_backend, servers) as bus:
         alice, bob = bus.client("alice"), bus.client("bob")
         lines: list[HeldLine] = []
@@ -328,7 +347,23 @@ async def test_a_request_id_used_again_hears_only_its_own_handoff(real_backend: 
         await bob.complete_handoff("alice/r1", result="old result")
         keys = bus.keys.record("alice", "r1")
         await bus.redis.delete(keys.record, keys.envelope)  # what record_retention's TTL does
+        scripts_many = bus.scripts_many
+
+        async def lag_ends_on_the_way(calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+            replies = await scripts_many(calls)
+            if calls[0][0] == "request":  # the record written, its reply not yet handled
+                waiter = bus.reader("alice", alice._refresh).watch("alice/r1")
+                line.released.set()  # the reader catches up now
+                with anyio.fail_after(5):
+                    while waiter.outcome is None:
+                        await waiter.wait_finished(5)
+                bus.reader("alice", alice._refresh).release(waiter)
+            return replies
+
+        if caught_up == "while the request is on its way":
+            bus.scripts_many = lag_ends_on_the_way  # type: ignore[method-assign]
         second = await alice.request_handoff(req("alice", "bob", request_id="r1", reason="second"))
+        bus.scripts_many = scripts_many  # type: ignore[method-assign]
         line.released.set()
         await bob.accept_handoff("alice/r1")
         await bob.complete_handoff("alice/r1", result="new result")

@@ -10,7 +10,7 @@ import anyio
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from handoffbus import HandoffBus, HandoffRequest, HandoffStatus, Worker
+from handoffbus import CallRefused, HandoffBus, HandoffRequest, HandoffStatus, Worker
 from handoffbus.keys import GROUP
 from handoffbus.routing import set_id
 from handoffbus.workers import Accept, Agent, ReceivedHandoff
@@ -456,3 +456,27 @@ async def test_a_stop_does_not_wait_for_a_blocking_plain_hook(real_bus: HandoffB
         assert record.status is HandoffStatus.PENDING and queued == [handle.handoff_id.encode()]
     else:  # left pending under its lease, to be reclaimed
         assert record.status is HandoffStatus.ACCEPTED and queued == []
+
+
+async def test_a_refused_outcome_is_not_sent_again(real_bus: HandoffBus) -> None:
+    """A refusal (a forwarder's CallRefused is a PermissionError, so an OSError) is no lost
+    connection: sending it again changes nothing, and the handler must end."""
+    await real_bus.client("a").request_handoff(req("a", Echo.agent_id))
+    worker = Worker(real_bus, Echo())
+    transition = worker._client._transition
+    refused: list[str] = []
+
+    async def complete_refused(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "complete":
+            refused.append(name)
+            raise CallRefused("complete acting as 'someone-else'")
+        return await transition(name, *args, **kwargs)
+
+    worker._client._transition = complete_refused  # type: ignore[method-assign]
+    async with anyio.create_task_group() as tg:
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            while not refused or worker._active:
+                await worker._wait_change()
+        worker.drain()
+    assert refused == ["complete"]

@@ -8,15 +8,16 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
 
 from .. import __version__
 from . import handoffs, serve, watch
-from .common import Json, Options, Prefix, RedisUrl
+from .common import Json, Options, Prefix, RedisUrl, exit_past_hook_threads
 
-__all__ = ["app", "main"]
+__all__ = ["app", "console", "main"]
 
 app = typer.Typer(
     name="handoffbus", help="Asynchronous handoff bus for AI agents on Redis.", no_args_is_help=True,
@@ -45,6 +46,14 @@ def _global(
 handoffs.register(app)
 watch.register(app)
 serve.register(app)
+
+
+def console() -> None:
+    """The ``handoffbus`` command: ``main``, then exit (past hook threads a stopped worker left
+    running, see ``exit_past_hook_threads``)."""
+    code = main()
+    exit_past_hook_threads(code)
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

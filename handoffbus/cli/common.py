@@ -8,6 +8,7 @@ unavailable (sysexits' EX_UNAVAILABLE).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -33,7 +34,7 @@ from ..runtime import backend_options, freeze_startup
 
 __all__ = [
     "EXIT_FAILED", "EXIT_OK", "EXIT_UNAVAILABLE", "EXIT_USAGE", "Json", "Options", "Prefix", "RedisUrl",
-    "console", "emit_json", "open_bus", "options", "run", "table", "usage_error",
+    "console", "emit_json", "exit_past_hook_threads", "open_bus", "options", "run", "table", "usage_error",
 ]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 69
@@ -100,32 +101,33 @@ def run(func: Callable[..., Awaitable[int]], *args: Any) -> None:
     raise typer.Exit(code)
 
 
-#: seconds a stopped process waits for hook threads a stop left running before it exits anyway
+def serve(func: Callable[..., Awaitable[int]], *args: Any) -> None:
+    """``run`` for a long-running process (worker, forwarder, exporter): its start-up heap is
+    frozen out of the garbage collector first (see runtime.py)."""
+    freeze_startup()
+    run(func, *args)
+
+
+#: seconds a finished command waits for hook threads a stop left running before it exits anyway
 THREADS_WAIT = 1.0
 
 
-def serve(func: Callable[..., Awaitable[int]], *args: Any) -> None:
-    """``run`` for a long-running process (worker, forwarder, exporter): its start-up heap is
-    frozen out of the garbage collector first (see runtime.py). A plain-def hook that a stop
-    left running in its thread does not keep the process: the interpreter would wait for it
-    at exit, however long it blocks."""
-    freeze_startup()
-    try:
-        run(func, *args)
-    except typer.Exit as done:
-        deadline = time.monotonic() + THREADS_WAIT
-        for thread in threading.enumerate():
-            if thread.name == "AnyIO worker thread":  # idle ones end on their own as the loop closed
-                thread.join(max(deadline - time.monotonic(), 0))
-        left = [t for t in threading.enumerate() if t.name == "AnyIO worker thread" and t.is_alive()]
-        if not left:
-            raise
-        logging.getLogger("handoffbus").warning("%d hook threads still running at exit: not waiting for them",
-                                                len(left))
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(done.exit_code)
+def exit_past_hook_threads(code: int) -> None:
+    """A plain-def hook that a stop left running in its thread must not keep the process: the
+    interpreter waits for such threads at exit, however long they block. Wait a moment for
+    them, then exit without them (exit handlers run first). Returns if none is left."""
+    deadline = time.monotonic() + THREADS_WAIT
+    for thread in threading.enumerate():
+        if thread.name == "AnyIO worker thread":  # idle ones end on their own once the loop closed
+            thread.join(max(deadline - time.monotonic(), 0))
+    left = [t for t in threading.enumerate() if t.name == "AnyIO worker thread" and t.is_alive()]
+    if not left:
+        return
+    logging.getLogger("handoffbus").warning("%d hook threads still running at exit: not waiting for them", len(left))
+    atexit._run_exitfuncs()  # logging's flush, exporters' last batches
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def emit_json(value: Any) -> None:
