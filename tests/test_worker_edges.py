@@ -349,16 +349,7 @@ async def test_an_outcome_whose_sending_failed_is_sent_again_not_worked_again(re
 
     handle = await real_bus.client("a").request_handoff(req("a", Counting.agent_id))
     worker = Worker(real_bus, Counting(), reclaim_idle=0.05)
-    transition = worker._client._transition
-    failed: list[str] = []
-
-    async def complete_fails_once(name: str, *args: Any, **kwargs: Any) -> Any:
-        if name == "complete" and not failed:
-            failed.append(name)
-            raise RedisConnectionError("Connection reset by peer")
-        return await transition(name, *args, **kwargs)
-
-    worker._client._transition = complete_fails_once  # type: ignore[method-assign]
+    failed = _complete_raises(worker, RedisConnectionError("Connection reset by peer"), times=1)
     async with anyio.create_task_group() as tg:
         await tg.start(worker.run)
         with anyio.fail_after(10):
@@ -463,16 +454,7 @@ async def test_a_refused_outcome_is_not_sent_again(real_bus: HandoffBus) -> None
     connection: sending it again changes nothing, and the handler must end."""
     await real_bus.client("a").request_handoff(req("a", Echo.agent_id))
     worker = Worker(real_bus, Echo())
-    transition = worker._client._transition
-    refused: list[str] = []
-
-    async def complete_refused(name: str, *args: Any, **kwargs: Any) -> Any:
-        if name == "complete":
-            refused.append(name)
-            raise CallRefused("complete acting as 'someone-else'")
-        return await transition(name, *args, **kwargs)
-
-    worker._client._transition = complete_refused  # type: ignore[method-assign]
+    refused = _complete_raises(worker, CallRefused("complete acting as 'someone-else'"))
     async with anyio.create_task_group() as tg:
         await tg.start(worker.run)
         with anyio.fail_after(10):
@@ -480,3 +462,19 @@ async def test_a_refused_outcome_is_not_sent_again(real_bus: HandoffBus) -> None
                 await worker._wait_change()
         worker.drain()
     assert refused == ["complete"]
+
+
+def _complete_raises(worker: Worker, error: Exception, times: int | None = None) -> list[str]:
+    """Make the worker's ``complete`` calls raise ``error`` (the first ``times``, or all);
+    returns the list of those that did."""
+    transition = worker._client._transition
+    raised: list[str] = []
+
+    async def complete(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "complete" and (times is None or len(raised) < times):
+            raised.append(name)
+            raise error
+        return await transition(name, *args, **kwargs)
+
+    worker._client._transition = complete  # type: ignore[method-assign]
+    return raised
