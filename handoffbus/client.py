@@ -33,7 +33,7 @@ from .records import response_from_reply
 from .routing import Directory, capability_set, refusal_response, set_id
 from .scripts import STAGE_OVER, STAGED_TTL_MS
 from .signing import response_body
-from .waiters import Waiter
+from .waiters import ResponseReader, Waiter
 
 if TYPE_CHECKING:
     from .bus import HandoffBus
@@ -183,7 +183,7 @@ class HandoffClient:
         bus = self._bus
         keys = bus.keys.record(self.agent_id, request.request_id)
         await bus.register_requester(self.agent_id)
-        reader = bus.reader(self.agent_id, self._refresh)
+        reader = self._reader()
         waiter = reader.watch(handoff_id)  # shared with earlier handles or requests of this id
         try:
             assert request.timeout is not None
@@ -293,13 +293,9 @@ class HandoffClient:
             raise NotPermitted(handoff_id, self.agent_id, "await a handoff requested by another agent")
         return HandoffHandle(self, Waiter(handoff_id), holding=False)  # it holds a waiter once awaited
 
-    def _holds(self, waiter: Waiter) -> bool:
-        """Whether responses reach ``waiter`` (not once it was let go, nor after the bus reopened)."""
-        return self._bus.reader(self.agent_id, self._refresh).holds(waiter)
-
-    def _watch(self, handoff_id: str) -> Waiter:
-        """The handoff's waiter, held once more for a handle."""
-        return self._bus.reader(self.agent_id, self._refresh).watch(handoff_id)
+    def _reader(self) -> ResponseReader:
+        """This agent's response reader (a bus opened again has a new one)."""
+        return self._bus.reader(self.agent_id, self._refresh)
 
     async def _now_ms(self) -> int:
         """The server's time, estimated from one TIME call and the monotonic clock since (a
@@ -311,12 +307,10 @@ class HandoffClient:
 
     async def _refresh(self, waiter: Waiter) -> None:
         """Read the record (expiring it if due), feed the waiter and make sure the reader runs."""
-        reader = self._bus.reader(self.agent_id, self._refresh)
+        reader = self._reader()
         found = await self._bus.read_record(waiter.handoff_id)
         if found is not None and reader.start(found[1]):  # read before where reading began: once more
             found = await self._bus.read_record(waiter.handoff_id)
-            if found is not None:
-                reader.start(found[1])
         if found is None:  # or not written yet: a waiter is registered before its request
             raise errors.HandoffNotFound(waiter.handoff_id)
         now_ms, _, record = found
@@ -327,11 +321,6 @@ class HandoffClient:
         waiter.feed_record(record)
         if waiter.outcome is not None:
             reader.forget(waiter)  # nothing more will come for it
-
-    def _release(self, waiter: Waiter) -> None:
-        """A handle that found its handoff gone lets its hold on the waiter go (a request of the
-        same id under way still holds it)."""
-        self._bus.reader(self.agent_id, self._refresh).release(waiter)
 
     # ------------------------------------------------------------------ transitions
 

@@ -46,8 +46,9 @@ class HandoffHandle:
         """The waiter to wait on, held by this handle: taken anew if it let go, or if responses
         no longer reach it (the bus was closed and opened again), and then read at once: what
         it missed meanwhile is only in the record (and the read starts the bus's reader)."""
-        if not (self._holding and self._client._holds(self._waiter)):
-            self._waiter = self._client._watch(self.handoff_id)
+        reader = self._client._reader()
+        if not (self._holding and reader.holds(self._waiter)):
+            self._waiter = reader.watch(self.handoff_id)
             self._holding = True
             await self._reread()
         return self._waiter
@@ -96,7 +97,7 @@ class HandoffHandle:
         except HandoffNotFound:
             if self._holding:
                 self._holding = False
-                self._client._release(self._waiter)
+                self._client._reader().release(self._waiter)  # a request of this id under way keeps it
             raise
 
     async def status(self) -> HandoffRecord | None:

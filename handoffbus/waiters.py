@@ -174,9 +174,9 @@ class ResponseReader:
             self._waiters.setdefault(waiter.handoff_id, waiter)
 
     def release(self, waiter: Waiter) -> None:
-        """A request that failed lets its hold go: the waiter is forgotten once no request or
-        handle holds it (two requests with one id may be under way at once, and the one that
-        fails must not take the waiter from the other)."""
+        """A request that failed, or a handle that found its handoff gone, lets its hold go: the
+        waiter is forgotten once no request or handle holds it (two requests with one id may be
+        under way at once, and the one that fails must not take the waiter from the other)."""
         waiter.holders -= 1
         if waiter.holders <= 0:
             self.forget(waiter)
@@ -193,7 +193,7 @@ class ResponseReader:
             self._cursor = self._started = cursor
             self._bus.spawn(self._run, name=f"handoffbus responses {self._agent}")
             return False
-        return self._started != cursor and entry_position(self._started) > entry_position(cursor)
+        return entry_position(self._started) > entry_position(cursor)
 
     def _dispatch(self, fields: dict[bytes, bytes], entry_id: bytes) -> None:
         handoff_id = fields[b"id"].decode()

@@ -11,6 +11,8 @@ import pytest
 
 from handoffbus import (
     HandoffBus,
+    HandoffClient,
+    HandoffHandle,
     HandoffNotFound,
     HandoffRequest,
     HandoffStatus,
@@ -31,6 +33,15 @@ pytestmark = pytest.mark.anyio
 def routed(request_id: str, caps: list[str]) -> HandoffRequest:
     return HandoffRequest(from_agent="alice", capabilities_required=caps, request_id=request_id, timeout=60)
 
+
+
+async def completed_and_heard(target: HandoffClient, handle: HandoffHandle) -> None:
+    """``target`` accepts and completes the handoff; its handle hears so from the response
+    stream, not at the 30 s safety re-read."""
+    await target.accept_handoff(handle.handoff_id)
+    await target.complete_handoff(handle.handoff_id, result="done")
+    with anyio.fail_after(5):
+        assert (await handle.outcome()).result == "done"
 
 async def test_a_request_id_may_not_look_like_a_routing_offer(bus: HandoffBus) -> None:
     # the deadline index keeps a routed handoff's offer as "o:<request id>"
@@ -178,11 +189,7 @@ async def test_a_failing_request_leaves_the_waiter_of_its_twin_under_way(backend
                 tg.start_soon(send, "twin")
         bus.scripts_many = scripts_many  # type: ignore[method-assign]
         assert isinstance(results["creator"], QueueFull)
-        handle = results["twin"]
-        await bob.accept_handoff(handle.handoff_id)
-        await bob.complete_handoff(handle.handoff_id, result="done")
-        with anyio.fail_after(5):  # heard from the response stream, not the 30 s safety re-read
-            assert (await handle.outcome()).result == "done"
+        await completed_and_heard(bob, results["twin"])
 
 
 async def test_a_handle_that_finds_nothing_leaves_the_waiter_of_a_request_under_way(
@@ -217,11 +224,7 @@ async def test_a_handle_that_finds_nothing_leaves_the_waiter_of_a_request_under_
                     await early.decision()  # its deadline unknown: it asks the server at once
                 told.set()
         bus.scripts_many = scripts_many  # type: ignore[method-assign]
-        handle = results["handle"]
-        await bob.accept_handoff(handle.handoff_id)
-        await bob.complete_handoff(handle.handoff_id, result="done")
-        with anyio.fail_after(5):  # heard from the response stream, not the 30 s safety re-read
-            assert (await handle.outcome()).result == "done"
+        await completed_and_heard(bob, results["handle"])
 
 
 async def test_a_resubmission_never_leaves_a_queue_entry_for_a_handoff_decided_meanwhile(

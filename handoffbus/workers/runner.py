@@ -608,9 +608,9 @@ class Worker:
         while True:
             try:
                 return await self._client._transition(name, hid, fields, settle=False, created_ms=created_ms)
+            except PermissionError:  # refused (a forwarder's CallRefused): no retry changes that
+                raise
             except (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OSError) as exc:
-                if isinstance(exc, PermissionError):  # refused (a forwarder's CallRefused): no retry changes that
-                    raise
                 delay = backoff.delay()
                 self._log.warning("%s: %s of %s not sent (%s); retrying in %.2fs", self.consumer, name, hid, exc,
                                   delay, extra={"handoff_id": hid})
