@@ -10,10 +10,19 @@ import anyio
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from handoffbus import CallRefused, HandoffBus, HandoffRequest, HandoffStatus, Worker
+from handoffbus import (
+    CallRefused,
+    HandoffBus,
+    HandoffContext,
+    HandoffRequest,
+    HandoffStatus,
+    Worker,
+    serialize_context,
+)
 from handoffbus.keys import GROUP
+from handoffbus.policies.blobs import offload, restore
 from handoffbus.routing import set_id
-from handoffbus.workers import Accept, Agent, ReceivedHandoff
+from handoffbus.workers import Accept, Agent, ReceivedHandoff, runner
 from handoffbus.workers.inbox import Delivery, Inbox
 from handoffbus.workers.lanes import Lanes
 from handoffbus.workers.routes import RouteFeed
@@ -462,6 +471,73 @@ async def test_a_refused_outcome_is_not_sent_again(real_bus: HandoffBus) -> None
                 await worker._wait_change()
         worker.drain()
     assert refused == ["complete"]
+
+
+async def test_a_heartbeat_while_redis_is_out_of_reach_does_not_fail_the_work(real_bus: HandoffBus) -> None:
+    """A handler's heartbeat() that cannot reach the server: the handler goes on, its lease
+    checked again at the next beat and when the outcome is sent (raised into the hook, a blip
+    made the handoff FAILED)."""
+
+    class Beats(Echo):
+        async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+            await handoff.heartbeat()
+            return "done"
+
+    handle = await real_bus.client("a").request_handoff(req("a", Beats.agent_id))
+    worker = Worker(real_bus, Beats())
+    touch = worker._touch
+    failed: list[list[str]] = []
+
+    async def unreachable(hids: list[str]) -> None:
+        if not failed:
+            failed.append(hids)
+            raise RedisConnectionError("Connection reset by peer")
+        await touch(hids)
+
+    worker._touch = unreachable  # type: ignore[method-assign]
+    async with anyio.create_task_group() as tg:
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            outcome = await handle.outcome()
+        worker.drain()
+    assert failed == [[handle.handoff_id]]
+    assert outcome.status is HandoffStatus.COMPLETED and outcome.result == "done"
+
+
+async def test_a_context_whose_blobs_could_not_be_read_for_a_moment_is_restored(
+    real_bus: HandoffBus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Restoring a context's out-of-band content met a lost connection: read again, not a
+    failure of the work hook (with the default single attempt, that was FAILED)."""
+    seen: list[Any] = []
+
+    class Reads(Echo):
+        async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+            assert handoff.context is not None
+            seen.append(handoff.context.tool_state["report"])
+            return "read"
+
+    report = "A" * 70_000
+    offloaded = await offload(real_bus, "a", HandoffContext(tool_state={"report": report}), threshold=65_536)
+    handle = await real_bus.client("a").request_handoff(
+        req("a", Reads.agent_id, context_snapshot=serialize_context(offloaded)))
+    failed: list[str] = []
+
+    async def flaky(bus: HandoffBus, context: HandoffContext) -> HandoffContext:
+        if not failed:
+            failed.append(handle.handoff_id)
+            raise RedisConnectionError("Connection reset by peer")
+        return await restore(bus, context)
+
+    monkeypatch.setattr(runner, "restore", flaky)
+    worker = Worker(real_bus, Reads())
+    async with anyio.create_task_group() as tg:
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            outcome = await handle.outcome()
+        worker.drain()
+    assert failed and outcome.status is HandoffStatus.COMPLETED and outcome.result == "read"
+    assert seen == [report]
 
 
 def _complete_raises(worker: Worker, error: Exception, times: int | None = None) -> list[str]:

@@ -177,6 +177,8 @@ class ReceivedHandoff(msgspec.Struct, frozen=True, kw_only=True):
 
         The worker already renews every running handoff in the background; a handler calls
         this to learn early that it was taken over (``LeaseLost``), e.g. between long steps.
+        With the server out of reach it returns: the lease is checked again at the next beat
+        and when the outcome is sent.
         """
         await self.renew()
 

@@ -12,14 +12,15 @@ at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import os
 import signal
 import socket
 import uuid
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import msgspec
@@ -66,6 +67,10 @@ SETTLE_DELAY = 0.02
 SETTLE_WAIT = 10.0
 #: the shortest reclaim time a worker takes (seconds)
 MIN_RECLAIM_IDLE = 0.01
+#: Redis out of reach for now: a lost connection, a timeout, a failover's READONLY (OSError
+#: covers sockets; a forwarder's refusal, a PermissionError, is caught before it)
+_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OSError)
+T = TypeVar("T")
 
 
 def default_consumer_name() -> str:
@@ -576,8 +581,11 @@ class Worker:
         while True:
             try:
                 received = ReceivedHandoff.of(hid, request, attempt, renew, client)
-                if received.context is not None and has_blobs(request.context_snapshot):
-                    received = msgspec.structs.replace(received, context=await restore(self.bus, received.context))
+                context = received.context
+                if context is not None and has_blobs(request.context_snapshot):
+                    restoring = functools.partial(restore, self.bus, context)
+                    restored = await self._until_answered("restoring the context", hid, restoring)
+                    received = msgspec.structs.replace(received, context=restored)
                 result = await _call(self.agent.on_handoff_received, received)
                 break
             except LeaseLost:
@@ -603,28 +611,43 @@ class Worker:
     async def _send(self, name: str, hid: str, fields: dict[str, Any], created_ms: int) -> HandoffResponse:
         """Send a transition this worker decided on until the server answers it: given up on a
         lost connection, the handoff would be reclaimed and its hooks run again. A repeat under
-        the same lease is answered as done; a stop ends the trying, leaving it pending."""
+        the same lease is answered as done."""
+        return await self._until_answered(
+            name, hid, lambda: self._client._transition(name, hid, fields, settle=False, created_ms=created_ms))
+
+    async def _until_answered(self, what: str, hid: str, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()`` again, with backoff, while the server cannot be reached (a lost connection,
+        a timeout, a failover's READONLY): a step of a handler that Redis failed is no failure of
+        its hooks. A stop ends the trying, leaving the handoff pending; a refusal is raised."""
         backoff = Backoff()
         while True:
             try:
-                return await self._client._transition(name, hid, fields, settle=False, created_ms=created_ms)
+                return await call()
             except PermissionError:  # refused (a forwarder's CallRefused): no retry changes that
                 raise
-            except (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OSError) as exc:
+            except _UNREACHABLE as exc:
                 delay = backoff.delay()
-                self._log.warning("%s: %s of %s not sent (%s); retrying in %.2fs", self.consumer, name, hid, exc,
+                self._log.warning("%s: %s of %s not answered (%s); retrying in %.2fs", self.consumer, what, hid, exc,
                                   delay, extra={"handoff_id": hid})
                 await anyio.sleep(delay)
 
     async def _renew(self, hid: str) -> None:
-        """A handler's own heartbeat: refresh its inbox entry, then confirm the lease is still ours."""
-        entry = self._entries.get(hid)
+        """A handler's own heartbeat: refresh its inbox entry, then confirm the lease is still ours.
+        Redis out of reach is not the handler's failure: the background heartbeat keeps trying,
+        and the lease is checked again at the next beat and when the outcome is sent."""
         requester, request_id = split_handoff_id(hid)
-        if entry is not None:
-            await self._touch([hid])
-        # the load script, not HGET: an isolated agent reads a peer's record through the forwarder
-        keys = self.bus.keys.record(requester, request_id)
-        row = await self.bus.script("load", [keys.record, keys.envelope], [0])  # a large envelope left out
+        try:
+            if hid in self._entries:
+                await self._touch([hid])
+            # the load script, not HGET: an isolated agent reads a peer's record through the forwarder
+            keys = self.bus.keys.record(requester, request_id)
+            row = await self.bus.script("load", [keys.record, keys.envelope], [0])  # a large envelope left out
+        except PermissionError:
+            raise
+        except _UNREACHABLE as exc:
+            self._log.warning("%s: heartbeat of %s not answered (%s); the handler goes on", self.consumer, hid, exc,
+                              extra={"handoff_id": hid})
+            return
         holder = row[13] if len(row) > 13 else None
         if holder != self.consumer.encode():
             raise LeaseLost(hid, (holder or b"").decode())
