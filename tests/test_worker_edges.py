@@ -540,6 +540,36 @@ async def test_a_context_whose_blobs_could_not_be_read_for_a_moment_is_restored(
     assert seen == [report]
 
 
+@pytest.mark.parametrize("hook", ["acceptance", "work"])
+async def test_what_a_hook_returns_that_cannot_be_sent_ends_the_handoff(real_bus: HandoffBus, hook: str) -> None:
+    """A result (or acceptance metadata) the codec refuses fails the same way on every run: the
+    handoff ends, told why, and the hook is not run again (it was kept pending, reclaimed and
+    run again until dead-lettered, and the requester heard nothing)."""
+    runs: list[int] = []
+
+    class Odd(Echo):
+        async def on_handoff_request(self, request: HandoffRequest) -> Accept:
+            return Accept(metadata={"n": 2**70} if hook == "acceptance" else {})
+
+        async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+            runs.append(handoff.attempt)
+            return {"n": 2**70}  # no MessagePack integer holds it
+
+    handle = await real_bus.client("a").request_handoff(req("a", Odd.agent_id))
+    worker = Worker(real_bus, Odd(), reclaim_idle=0.05)
+    async with anyio.create_task_group() as tg:
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            outcome = await handle.outcome()
+        worker.drain()
+    if hook == "acceptance":
+        assert outcome.status is HandoffStatus.REJECTED and outcome.rejection_code == "HOOK_FAILED"
+        assert "metadata that cannot be sent" in (outcome.rejection_reason or "") and runs == []
+    else:
+        assert outcome.status is HandoffStatus.FAILED and runs == [1]
+        assert "result cannot be sent: EncodeError" in (outcome.error or "")
+
+
 def _complete_raises(worker: Worker, error: Exception, times: int | None = None) -> list[str]:
     """Make the worker's ``complete`` calls raise ``error`` (the first ``times``, or all);
     returns the list of those that did."""

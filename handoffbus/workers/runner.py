@@ -35,11 +35,13 @@ from ..client import rejection_fields
 from ..config import check_seconds
 from ..errors import (
     CallRefused,
+    EncodeError,
     HandoffbusError,
     InvalidRequest,
     InvalidTransition,
     LeaseLost,
     NotPermitted,
+    PayloadTooLarge,
     raise_for_code,
 )
 from ..keys import GROUP
@@ -560,13 +562,20 @@ class Worker:
     async def _act(
         self, hid: str, request: HandoffRequest, decision: Accept | Reject, created_ms: int
     ) -> HandoffStatus:
-        codec = self.bus.codec
+        meta = None
+        if isinstance(decision, Accept) and decision.metadata:
+            try:
+                meta = self.bus.codec.dumps_value(decision.metadata)
+            except (EncodeError, PayloadTooLarge) as exc:  # the same on every run: refused, not retried
+                self._log.error("%s: acceptance hook for %s returned metadata that cannot be sent: %s",
+                                self.consumer, hid, exc, extra={"handoff_id": hid})
+                decision = Reject(reason=f"acceptance hook returned metadata that cannot be sent: {exc}",
+                                  code="HOOK_FAILED")
         if isinstance(decision, Reject):
             fields = rejection_fields(decision.reason, decision.code, decision.retry_after_ms, decision.redirect_to)
             # a routed handoff refused goes on to another agent: it stays PENDING
             with tracing.settle_span(self._inbox_key, hid, "REJECTED"):
                 return (await self._send("reject", hid, fields, created_ms)).status
-        meta = codec.dumps_value(decision.metadata) if decision.metadata else None
         await self._send("accept", hid, {"rmeta": meta, "lease": self.consumer}, created_ms)
         return await self._work(hid, request, 1, created_ms)
 
@@ -603,7 +612,15 @@ class Worker:
                                   self.consumer, hid, attempt, exc, delay, extra={"handoff_id": hid})
             await anyio.sleep(delay)  # the retry backoff (a stop meanwhile leaves it pending)
             attempt = await self._take_over(hid, retry=True)
-        packed = None if result is None else codec.dumps_value(result)
+        try:
+            packed = None if result is None else codec.dumps_value(result)
+        except (EncodeError, PayloadTooLarge) as exc:  # the same on every run: failed, not run again
+            self._log.error("%s: the result of %s cannot be sent: %s", self.consumer, hid, exc,
+                            extra={"handoff_id": hid})
+            with tracing.settle_span(self._inbox_key, hid, "FAILED"):
+                await self._send("fail", hid, {"error": f"result cannot be sent: {type(exc).__name__}: {exc}",
+                                               "lease": self.consumer}, created_ms)
+            return HandoffStatus.FAILED
         with tracing.settle_span(self._inbox_key, hid, "COMPLETED"):
             await self._send("complete", hid, {"result": packed, "lease": self.consumer}, created_ms)
         return HandoffStatus.COMPLETED
