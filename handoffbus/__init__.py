@@ -31,6 +31,7 @@ from .errors import PayloadTooLarge as PayloadTooLarge
 from .errors import QueueFull as QueueFull
 from .errors import RequestConflict as RequestConflict
 from .errors import RouteRefused as RouteRefused
+from .errors import ScriptsFlushed as ScriptsFlushed
 from .errors import ServerUnavailable as ServerUnavailable
 from .errors import ServerUnsupported as ServerUnsupported
 from .errors import SignatureInvalid as SignatureInvalid
@@ -101,6 +102,7 @@ __all__ = [
     "RetryPolicy",
     "RouteRefused",
     "RouteStep",
+    "ScriptsFlushed",
     "ServerUnavailable",
     "ServerUnsupported",
     "SignatureInvalid",

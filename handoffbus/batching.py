@@ -23,7 +23,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from .cluster import ClusterSender, is_cluster
-from .errors import HandoffbusError
+from .errors import HandoffbusError, ScriptsFlushed
 from .scripts import GET, SET, Reload, Script, Scripts
 from .wire import Group, Line, ScriptCall, no_script
 
@@ -152,22 +152,48 @@ class ScriptBatcher:
         return await line.exchange(batch)
 
     async def _send(self, batch: list[ScriptCall], line: Line | None) -> None:
+        broken: set[Group] = set()
         try:
             replies = await self._execute(batch, line)
-            missing = [c for c, r in zip(batch, replies, strict=True) if no_script(r)]
+            broken |= _out_of_order(batch, replies)
+            lost = [c for c, r in zip(batch, replies, strict=True) if no_script(r)]
             for _ in range(NOSCRIPT_ROUNDS):  # the cache may be flushed again between load and retry
+                if not lost:
+                    break
+                await self._reload([call.script for call in lost])
+                missing = [c for c in lost if c.group not in broken]  # a broken group is not sent again
                 if not missing:
                     break
-                await self._reload([call.script for call in missing])
-                retried = dict(zip(map(id, missing), await self._execute(missing, line), strict=True))
+                again = await self._execute(missing, line)
+                broken |= _out_of_order(missing, again)
+                retried = dict(zip(map(id, missing), again, strict=True))
                 replies = [retried.get(id(c), r) for c, r in zip(batch, replies, strict=True)]
-                missing = [c for c in missing if no_script(retried[id(c)])]
+                lost = [c for c in missing if no_script(retried[id(c)])]
         except Exception as exc:  # the connection failed: every call of the batch hears it
             for call in batch:
                 call.finish(error=exc)
             return
         for call, reply in zip(batch, replies, strict=True):
-            if isinstance(reply, Exception):
+            if call.group in broken:
+                call.finish(error=ScriptsFlushed(
+                    "the server lost its scripts while these calls were on their way, and a later one ran "
+                    "before an earlier one could; not sent again, they may be tried again"))
+            elif isinstance(reply, Exception):
                 call.finish(error=reply)
             else:
                 call.finish(result=reply)
+
+
+def _out_of_order(calls: list[ScriptCall], replies: list[Any]) -> set[Group]:
+    """The groups in which a call ran after an earlier one met NOSCRIPT. The server read their
+    pipeline in parts, and something loaded the scripts between them (another client that met
+    NOSCRIPT too): sending the earlier call again would run it after the later one, e.g. a
+    record after its queue entry, which a worker may have taken and dropped meanwhile."""
+    missed: set[Group] = set()
+    broken: set[Group] = set()
+    for call, reply in zip(calls, replies, strict=True):
+        if no_script(reply):
+            missed.add(call.group)
+        elif call.group in missed:
+            broken.add(call.group)
+    return broken

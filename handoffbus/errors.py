@@ -157,6 +157,14 @@ class ForwarderUnavailable(HandoffbusError, ConnectionError):
     """An isolated agent's call got no answer from the forwarder in time (it may still run)."""
 
 
+class ScriptsFlushed(HandoffbusError, ConnectionError):
+    """The server lost its scripts (a SCRIPT FLUSH, a failover) while the calls of one step were
+    on their way, and a later call ran before an earlier one could: none is sent again, which
+    would run them out of order. Nothing the step meant to create exists (what a later call
+    wrote alone, such as a queue entry with no record, is dropped where it is found); it may
+    be tried again."""
+
+
 class ServerUnsupported(HandoffbusError):
     """The Redis server is older than the supported minimum."""
 

@@ -14,7 +14,7 @@ from redis._parsers.encoders import Encoder
 from redis.connection import PythonRespSerializer
 from redis.crc import key_slot
 
-from handoffbus import HandoffBus, HandoffStatus
+from handoffbus import HandoffBus, HandoffStatus, ScriptsFlushed
 from handoffbus.scripts import SCRIPT_NAMES, Scripts, _files, key_count, script_source
 from handoffbus.wire import Group, Line, ScriptCall, pack_evalsha
 from handoffbus.workers.inbox import Inbox
@@ -102,6 +102,27 @@ async def test_a_flushed_script_cache_costs_no_failed_call(real_bus: HandoffBus)
         await b.complete_handoff(handle.handoff_id, result="ok")
         with anyio.fail_after(5):
             assert (await handle.outcome()).result == "ok"
+
+
+async def test_a_record_whose_script_was_lost_after_its_queue_entry_ran_is_not_sent_again(
+    real_bus: HandoffBus,
+) -> None:
+    """The server read a request's pipeline in two parts and, between them, another client
+    loaded the scripts it had lost: the queue entry ran, the record met NOSCRIPT. Sent again,
+    the record would come after its queue entry, which a worker may have taken and dropped
+    meanwhile for having no record: a handoff never delivered. The request fails instead, and
+    nothing of it is left to run."""
+    client = real_bus.client("a")
+    first = await client.request_handoff(req("a", "b"))  # "b" registered as a target: its SADD is behind us
+    records = await real_bus.redis.keys(real_bus.keys.record("a", "*").record)
+    await real_bus.redis.script_flush()
+    await real_bus.redis.script_load(real_bus.scripts.enqueue.source)  # the later call's script only
+    with pytest.raises(ScriptsFlushed):
+        await client.request_handoff(req("a", "b"))
+    assert await real_bus.redis.keys(real_bus.keys.record("a", "*").record) == records  # no record was made
+    later = await client.request_handoff(req("a", "b"))  # the scripts were loaded again meanwhile
+    pending = await real_bus.client("b").get_pending_handoffs()
+    assert [p.handoff_id for p in pending] == [first.handoff_id, later.handoff_id]  # the lone entry lists nothing
 
 
 async def test_script_calls_go_on_after_the_server_dropped_every_connection(real_bus: HandoffBus) -> None:
