@@ -454,7 +454,7 @@ class HandoffBus:
         apart = [i for i, row in enumerate(rows) if row[14] == 1]
         for i, envelope in zip(apart, await self._envelopes([keys[i] for i in apart]), strict=True):
             rows[i] = [rows[i][0], envelope, *rows[i][2:]]  # gone (None): a poison row, as inline
-        return [loaded_from_row(row, self.codec, self.keyring) for row in rows]
+        return [loaded_from_row(row, self.codec, self.keyring, hid) for row, hid in zip(rows, handoff_ids, strict=True)]
 
     def _inline_limit(self) -> list[int]:
         """The ``load`` and ``status`` argument that leaves an envelope over INLINE_ENVELOPE to

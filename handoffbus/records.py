@@ -8,8 +8,9 @@ from typing import Any, NamedTuple
 import msgspec
 
 from .codecs import PayloadCodec
-from .errors import DecodeError, HandoffbusError
+from .errors import DecodeError, HandoffbusError, InvalidRequest
 from .models import HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatus, HistoryEntry, RouteStep
+from .names import split_handoff_id
 from .signing import SIGNED_RESPONSE_FIELDS, Keyring, response_body, unsigned_response
 
 __all__ = ["RESPONSE_FIELDS", "Loaded", "loaded_from_row", "record_from_hash", "response_from_fields",
@@ -131,9 +132,13 @@ class Loaded(NamedTuple):
     error: str | None = None
 
 
-def loaded_from_row(row: Sequence[Any], codec: PayloadCodec, keyring: Keyring | None = None) -> Loaded | None:
+def loaded_from_row(
+    row: Sequence[Any], codec: PayloadCodec, keyring: Keyring | None = None, handoff_id: str | None = None
+) -> Loaded | None:
     """Decode a ``load`` script reply; None when the record is gone. Never raises for bad data.
-    With a keyring, a PENDING request's signature is checked before its payload is decoded."""
+    With a keyring, a PENDING request's signature is checked before its payload is decoded.
+    Given the ``handoff_id`` it was read as, a record that names another handoff, or whose
+    request is not its requester's own, is poison (see ``check_belongs``)."""
     status, env, agent, attempt, created, deadline = row[:6]
     if status is None:
         return None
@@ -148,10 +153,28 @@ def loaded_from_row(row: Sequence[Any], codec: PayloadCodec, keyring: Keyring | 
     try:
         if keyring is not None and status == b"PENDING":
             check_request(keyring, row, env or b"")
-        return Loaded(status=HandoffStatus(status.decode()), request=codec.loads(env or b"", HandoffRequest),
-                      **fields)
+        request = codec.loads(env or b"", HandoffRequest)
+        if handoff_id is not None:
+            check_belongs(handoff_id, row, request)
+        return Loaded(status=HandoffStatus(status.decode()), request=request, **fields)
     except (HandoffbusError, ValueError) as exc:  # a poison record: reported, never raised
         return Loaded(status=HandoffStatus.PENDING, request=None, error=f"{type(exc).__name__}: {exc}", **fields)
+
+
+def check_belongs(handoff_id: str, row: Sequence[Any], request: HandoffRequest) -> None:
+    """A ``load`` reply read as ``handoff_id`` must be that handoff's: the record's id and
+    sender, and its request's sender, id and target (a routed one's is set by routing). Its
+    requester may write anything in its own slot; a signature covers the record's id and
+    sender, so a record copied under another id, or a request in another agent's name, would
+    pass it. Raises InvalidRequest."""
+    requester, request_id = split_handoff_id(handoff_id)
+    hid, sender, to, routed = (v.decode() if isinstance(v, bytes) else v for v in row[6:10])
+    if hid != handoff_id or sender != requester:
+        raise InvalidRequest(f"the record read as {handoff_id!r} names handoff {hid!r} from {sender!r}")
+    if request.from_agent != requester or request.request_id != request_id or (
+            routed != "1" and request.to_agent != (to or "")):
+        raise InvalidRequest(f"the request stored as {handoff_id!r} is {request.from_agent}/{request.request_id} "
+                             f"to {request.to_agent!r}")
 
 
 def check_request(keyring: Keyring, row: Sequence[Any], env: bytes) -> None:

@@ -11,7 +11,7 @@ import anyio
 import msgspec
 import pytest
 
-from handoffbus import HandoffRequest, HandoffStatus, Keyring, SignatureInvalid, SigningKey, Worker
+from handoffbus import HandoffBus, HandoffRequest, HandoffStatus, Keyring, SignatureInvalid, SigningKey, Worker
 from handoffbus.signing import response_body, unsigned_response
 from handoffbus.workers import Accept, Agent, ReceivedHandoff
 
@@ -191,3 +191,63 @@ def test_only_the_bus_own_verdicts_pass_unsigned() -> None:
     assert not unsigned_response("ACCEPTED", "_router", None)
     assert not unsigned_response("REJECTED", "_router", "BUSY")
     assert not unsigned_response("COMPLETED", "bus", None)
+
+
+async def _forge(bus: HandoffBus, ring: Keyring, case: str) -> str:
+    """Write a forged handoff to ``watch-1`` and queue it; returns its handoff id."""
+    if case == "copied under another id":
+        # a signed request, copied whole (its id and signature too) under another request id
+        orig = await bus.client("req").request_handoff(req("req", "watch-1", reason="orig"))
+        src, dst = bus.keys.record("req", orig.request_id), bus.keys.record("req", "copy")
+        await bus.redis.set(dst.envelope, await bus.redis.get(src.envelope))
+        await bus.redis.set(dst.marker, "1", px=60_000)
+        await bus.redis.hset(dst.record, mapping=await bus.redis.hgetall(src.record))
+        hid = "req/copy"
+    elif case == "in another agent's name":
+        # mallory signs, in its own slot, a request that says it comes from "req"
+        hid, keys = "mallory/spoof", bus.keys.record("mallory", "spoof")
+        env = bus.codec.dumps(HandoffRequest(from_agent="req", to_agent="watch-1", reason="spoof",
+                                             request_id="spoof", timeout=60.0))
+        sig = ring.sign("mallory", "request", [hid, "mallory", "watch-1", "", "60000"], env,
+                        await bus.server_time_ms())
+        reply = await bus.script("request", keys.as_list(), [
+            hid, "spoof", "mallory", "watch-1", 60_000, env, bus.config.retention_ms,
+            bus.config.response_retention_ms, "fp", "", 0, 1000, 0, sig])
+        assert int(reply[0]) == 1
+    else:
+        # mallory writes, in its own slot, a record that says watch-1 accepted it already
+        hid, keys = "mallory/forged", bus.keys.record("mallory", "forged")
+        now = await bus.server_time_ms()
+        await bus.redis.set(keys.envelope, bus.codec.dumps(HandoffRequest(
+            from_agent="mallory", to_agent="watch-1", reason="forged", request_id="forged", timeout=60.0)))
+        await bus.redis.hset(keys.record, mapping={
+            "id": hid, "from": "mallory", "to": "watch-1", "status": "ACCEPTED", "actor": "watch-1",
+            "agent": "watch-1", "attempt": "1", "lease": "gone", "created": now, "updated": now,
+            "deadline": now + 60_000, "hist": "[]"})
+    assert await bus.enqueue("watch-1", hid, 0)
+    return hid
+
+
+@pytest.mark.parametrize("case", ["copied under another id", "in another agent's name", "already accepted"])
+async def test_a_forged_handoff_runs_no_hook(real_bus: HandoffBus, case: str) -> None:
+    """What a requester may write in its own slot does not make another agent work: a signed
+    record copied under another id (the signature covers the record's id, not the key's), a
+    request signed by one agent in another's name, a record that says the target accepted it
+    already (taken from the queue, it is not taken over: that is for a stopped worker's own
+    pending entries)."""
+    ring = Keyring([REQ_NEW, WORKER, MALLORY])
+    real_bus.keyring = ring
+    agent = Watchful()
+    hid = await _forge(real_bus, ring, case)
+    after = await real_bus.client("req").request_handoff(req("req", "watch-1", reason="after"))
+    async with anyio.create_task_group() as tg:
+        worker = Worker(real_bus, agent, concurrency=1)  # one at a time, in queue order
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            assert (await after.outcome()).status is HandoffStatus.COMPLETED
+        worker.drain()
+    worked = [call for call in agent.calls if call not in ("decide orig", "work orig")]
+    assert worked == ["decide after", "work after"], worked
+    if case != "already accepted":  # poison: dead-lettered, its record left as it is
+        dead = await real_bus.client("watch-1").get_dead_letters("watch-1")
+        assert [d.handoff_id for d in dead] == [hid] and "InvalidRequest" in dead[0].reason

@@ -396,7 +396,7 @@ class Worker:
                            extra={"handoff_id": delivery.handoff_id})
             if deliveries > 1:
                 self.bus.tally.add(self.agent.agent_id, "redelivered")
-            self._submit(lanes, delivery, row, deliveries)
+            self._submit(lanes, delivery, row, deliveries, reclaimed=True)
         return cursor
 
     async def _delivery_counts(self, taken: list[Delivery]) -> dict[str, int]:
@@ -461,20 +461,31 @@ class Worker:
         for delivery, row in zip(taken, loaded, strict=True):
             self._submit(lanes, delivery, row)
 
-    def _submit(self, lanes: Lanes, delivery: Delivery, row: Loaded | None, deliveries: int = 1) -> None:
+    def _submit(
+        self, lanes: Lanes, delivery: Delivery, row: Loaded | None, deliveries: int = 1, *, reclaimed: bool = False
+    ) -> None:
         self._active += 1
         # held from now: one that waits for a lane (a reclaim can overshoot the concurrency)
         # keeps its inbox entry fresh through the heartbeat, so no other worker claims it
         self._entries[delivery.handoff_id] = delivery.entry_id
-        lanes.submit(self._handle, delivery, row, deliveries)
+        lanes.submit(self._handle, delivery, row, deliveries, reclaimed)
 
-    async def _handle(self, delivery: Delivery, row: Loaded | None, deliveries: int = 1) -> None:
+    async def _handle(
+        self, delivery: Delivery, row: Loaded | None, deliveries: int = 1, reclaimed: bool = False
+    ) -> None:
         hid = delivery.handoff_id
         # what becomes of the delivery when this handler ends
         after = "settle"
         try:
             if row is None or row.status in TERMINAL:
                 return  # decided elsewhere, expired or gone: only settle it
+            if row.status is HandoffStatus.ACCEPTED and not reclaimed:
+                # accepted work is carried on only from this agent's own pending entries (a worker
+                # that stopped); taken from the queue, an ACCEPTED record was written by its
+                # requester, whose slot holds it: never by this agent
+                self._log.warning("%s: %s came from the queue already ACCEPTED; not taken over", self.consumer, hid,
+                                  extra={"handoff_id": hid})
+                return
             poison = row.error or (
                 f"delivered {deliveries} times; its handling kept stopping workers"
                 if deliveries > self.max_deliveries else None
