@@ -15,7 +15,7 @@ from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 
 from .batching import ScriptBatcher
 from .client import HandoffClient
-from .cluster import is_cluster, seal
+from .cluster import ClusterClient, is_cluster, seal
 from .codecs import PayloadCodec
 from .config import BusConfig
 from .embedded import EmbeddedCluster, EmbeddedServer
@@ -66,10 +66,8 @@ def _client(url: str, max_connections: int | None, cluster: bool | None = None) 
     if not url.startswith("unix:"):
         options["socket_keepalive"] = True  # TCP only: finds dead peers without a socket timeout
     if cluster:
-        from redis.asyncio.cluster import RedisCluster
-
         options["max_connections"] = max_connections or CLUSTER_MAX_CONNECTIONS
-        return RedisCluster.from_url(url, **options)
+        return ClusterClient.from_url(url, **options)
     pool = aioredis.BlockingConnectionPool.from_url(
         url, max_connections=max_connections or 64, timeout=None, **options)
     return aioredis.Redis.from_pool(pool)  # the client owns the pool and closes it

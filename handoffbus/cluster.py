@@ -25,7 +25,17 @@ from collections import Counter
 from typing import Any
 
 import anyio
-from redis.exceptions import AskError, MaxConnectionsError, MovedError, RedisError, TryAgainError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import (
+    AskError,
+    MaxConnectionsError,
+    MovedError,
+    RedisClusterException,
+    RedisError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .errors import HandoffbusError
 from .scripts import Command, Reload, Script
@@ -171,7 +181,7 @@ class ClusterSender:
             later = await self._drive(runs, [call for run in runs for call in run.current()])
         except Exception as exc:  # e.g. no node serves a slot: every call not answered yet hears it
             for call in batch:
-                call.finish(error=exc)
+                call.finish(error=unreachable(exc))
             return
         self._park(runs, later)
 
@@ -210,7 +220,7 @@ class ClusterSender:
                 later = await self._drive(runs, later)
             except Exception as exc:
                 for call in calls:
-                    call.finish(error=exc)
+                    call.finish(error=unreachable(exc))
                 later = []
             finally:
                 self._in_flight.difference_update([call for call in calls if call.finished])
@@ -307,6 +317,37 @@ class ClusterSender:
         self._refreshed = time.monotonic()
         try:
             await self._redis.nodes_manager.initialize(last_failed_node_name=failed)
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:  # no node answered at all
             log.warning("could not refresh the cluster's slots (%s)", exc)
 
+
+
+def unreachable(exc: Exception) -> Exception:
+    """What the calls of a failed round hear: a cluster client's own errors (every node down, a
+    slot no node serves) as the ConnectionError every caller backs off on, not a
+    RedisClusterException, which is no RedisError; an error group of the per-node tasks as
+    its first error."""
+    while isinstance(exc, ExceptionGroup):
+        exc = exc.exceptions[0]
+    if isinstance(exc, RedisClusterException):
+        return RedisConnectionError(f"the cluster cannot serve the call: {type(exc).__name__}: {exc}")
+    return exc
+
+
+
+class ClusterClient(RedisCluster):
+    """The cluster client the bus makes: redis-py's, with its own errors for a cluster it cannot
+    reach (every node down, a slot no node serves) raised as the ConnectionError every loop
+    backs off on. As RedisClusterException, which is no RedisError, they ended the loops."""
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> RedisCluster:
+        try:
+            return await super().initialize(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise unreachable(exc) from exc
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except SlotNotCoveredError as exc:
+            raise unreachable(exc) from exc

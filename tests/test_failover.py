@@ -3,6 +3,7 @@ survived (backoff with jitter), and work resumes without anyone restarting anyth
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -11,12 +12,15 @@ from typing import Any
 
 import anyio
 import pytest
+import redis
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from handoffbus import EmbeddedServer, HandoffBus, HandoffClient, HandoffResponse, HandoffStatus, Worker
+from handoffbus.embedded import EmbeddedCluster, _cluster_ok, _node_client, _pings, _poll
 
 from .agents import Echo
-from .conftest import SERVER_BINARIES, start_server
+from .conftest import SERVER_BINARIES, start_cluster, start_server
 from .helpers import req
 
 pytestmark = pytest.mark.anyio
@@ -169,3 +173,52 @@ async def test_twenty_blocked_consumers_resume_after_a_demotion(
     print(f"\n20 blocked consumers resumed {resumed_in:.2f}s after REPLICAOF NO ONE")
     assert [o.result["echo"] for o in outcomes] == ["after"] * 20
     assert all(w.handled == {HandoffStatus.COMPLETED: 2} for w in workers)
+
+
+@pytest.fixture(params=list(SERVER_BINARIES))
+def own_cluster(request: pytest.FixtureRequest) -> Iterator[EmbeddedCluster]:
+    """A cluster of the test's own: every node of it is stopped and started again."""
+    cluster = start_cluster(SERVER_BINARIES[request.param])
+    yield cluster
+    cluster.stop()
+
+
+def _restarted(cluster: EmbeddedCluster) -> None:
+    """Start the stopped nodes again on their directories, and wait for the cluster to be whole."""
+    for node in cluster.nodes:
+        node._launch()
+    for node in cluster.nodes:
+        with _node_client(node) as client:
+            _poll(f"node {node.port} to rejoin", functools.partial(_rejoined, client, node, len(cluster.nodes)))
+
+
+def _rejoined(client: redis.Redis, node: EmbeddedServer, size: int) -> bool:
+    return _pings(client, node) and _cluster_ok(client, size)
+
+
+async def test_a_worker_waits_out_a_cluster_whose_nodes_are_all_down(
+    own_cluster: EmbeddedCluster, watch_log: type[LogSeen]
+) -> None:
+    """Every node down at once (a cluster restart): calls fail with the ConnectionError every
+    loop backs off on. The cluster client's own error for it, RedisClusterException, is no
+    RedisError: it ended the worker, and reached callers wrapped in an error group."""
+    seen = watch_log("Redis unavailable")
+    async with HandoffBus.connect(own_cluster.url, sweep_interval=3600) as bus:
+        client = bus.client("req")
+        worker = Worker(bus, Echo(), block=0.2)
+        async with anyio.create_task_group() as tg:
+            await tg.start(worker.run)
+            first = await client.request_handoff(req("req", Echo.agent_id))
+            with anyio.fail_after(10):
+                assert (await first.outcome()).status is HandoffStatus.COMPLETED
+            for node in own_cluster.nodes:
+                node._terminate()
+            with pytest.raises(RedisConnectionError):
+                await client.get_handoff_status(first.handoff_id)
+            with anyio.fail_after(10):
+                await seen.events["Redis unavailable"].wait()  # the fetch loop met it, and goes on
+            await anyio.to_thread.run_sync(_restarted, own_cluster)
+            with anyio.fail_after(30):
+                later = await client.request_handoff(req("req", Echo.agent_id))
+                assert (await later.outcome()).status is HandoffStatus.COMPLETED
+            worker.drain()
