@@ -67,11 +67,14 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
             check_seconds(name, getattr(self, name))
         if self.default_timeout > self.max_timeout:
             raise InvalidRequest("default_timeout exceeds max_timeout")
-        for name in ("sweep_batch", "max_queued", "max_pending"):
+        if not isinstance(self.codec, str):
+            raise InvalidRequest(f"codec must be a str ('msgpack' or 'json'), not {type(self.codec).__name__}")
+        for name in ("sweep_batch", "max_queued", "max_pending", "payload_limit", "compress_threshold"):
             value = getattr(self, name)
-            least = 1 if name == "sweep_batch" else 0  # the caps: 0 is no cap
+            # the caps: 0 is no cap; a compress_threshold of 0 compresses everything
+            least = 1 if name in ("sweep_batch", "payload_limit") else 0
             if type(value) is not int or value < least:
-                raise InvalidRequest(f"{name} must be an int of at least {least}")
+                raise InvalidRequest(f"{name} must be an int of at least {least}, not {value!r}")
         PayloadCodec(self.codec, compress_threshold=self.compress_threshold, limit=self.payload_limit)
 
     def make_codec(self) -> PayloadCodec:

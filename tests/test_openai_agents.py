@@ -13,11 +13,19 @@ from agents import Agent, Runner, handoff
 from agents.extensions import handoff_filters
 from agents.testing import ScriptedModel, function_call
 
-from handoffbus import HandoffContext, HandoffStatus, deserialize_context
-from handoffbus.integrations.openai_agents import context_to_items, items_to_context, remote_agent
+from handoffbus import (
+    ConversationEntry,
+    HandoffBus,
+    HandoffContext,
+    HandoffStatus,
+    deserialize_context,
+    serialize_context,
+)
+from handoffbus.integrations.openai_agents import ITEMS_KEY, context_to_items, items_to_context, remote_agent
+from handoffbus.policies import ContextPolicy, HandoffPolicy, remove_all_tools
 
 from .conftest import make_bus
-from .helpers import handoffbus_process
+from .helpers import handoffbus_process, req
 
 pytestmark = pytest.mark.anyio
 
@@ -50,6 +58,61 @@ def test_items_and_contexts_convert_both_ways() -> None:
     assert rebuilt[0] == {"role": "user", "content": "I was charged twice"}
     assert rebuilt[1]["type"] == "function_call" and rebuilt[2]["type"] == "function_call_output"
     assert context_to_items(None, "why") == [{"role": "user", "content": "why"}]
+
+
+def test_assistant_text_beside_tool_calls_and_every_role_reach_the_sdk() -> None:
+    """A chat-completions turn with text and a tool call keeps both; a developer message stays
+    one; a role the SDK has no word for becomes a user message that names it."""
+    context = HandoffContext(conversation_history=[
+        ConversationEntry(role="user", content="refund order A-1"),
+        ConversationEntry.from_dict({"role": "assistant", "content": "Let me look that order up first.",
+                                     "tool_calls": [{"id": "c1", "type": "function", "function": {
+                                         "name": "lookup", "arguments": '{"o":"A-1"}'}}]}),
+        ConversationEntry(role="tool", content="order A-1: 900 EUR", tool_call_id="c1"),
+        ConversationEntry(role="developer", content="Never refund more than 500 EUR without approval."),
+        ConversationEntry(role="critic", content="check the limit", name="auditor"),
+    ])
+    assert context_to_items(context) == [
+        {"role": "user", "content": "refund order A-1"},
+        {"role": "assistant", "content": "Let me look that order up first."},
+        {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": '{"o":"A-1"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "order A-1: 900 EUR"},
+        {"role": "developer", "content": "Never refund more than 500 EUR without approval."},
+        {"role": "user", "content": "[critic auditor] check the limit"},
+    ]
+
+
+SDK_ITEMS = [
+    {"role": "system", "content": "INTERNAL: the discount code is STAFF50"},
+    {"role": "user", "content": "I was charged twice"},
+    {"type": "function_call", "call_id": "call-1", "name": "lookup_card", "arguments": "{}"},
+    {"type": "function_call_output", "call_id": "call-1", "output": "card 4111-xxxx, two charges"},
+    {"role": "user", "content": "please refund one"},
+]
+
+
+async def _sent_items(bus: HandoffBus) -> list[dict[str, object]]:
+    """What an SDK agent serving ``billing-1`` runs for the handoff ``triage-1`` sends it now."""
+    context = items_to_context(SDK_ITEMS, reason="billing")
+    await bus.client("triage-1").request_handoff(req("triage-1", "billing-1",
+                                                     context_snapshot=serialize_context(context)))
+    [pending] = await bus.client("billing-1").get_pending_handoffs()
+    return context_to_items(deserialize_context(pending.request.context_snapshot or b""))
+
+
+async def test_the_sdk_items_carried_along_never_undo_the_bus_policy(real_backend: str, servers: dict) -> None:
+    """The SDK's own items ride along for a lossless trip, but only while the history is the
+    one they came with: what the bus's context policy and input filters left out stays out."""
+    policy = HandoffPolicy(context=ContextPolicy(transfer_system_message=False, max_history=1),
+                           input_filters=[remove_all_tools])
+    async with make_bus(real_backend, servers, policy=policy) as bus:
+        assert await _sent_items(bus) == [{"role": "user", "content": "please refund one"}]
+    async with make_bus(real_backend, servers) as bus:
+        assert await _sent_items(bus) == SDK_ITEMS  # nothing changed them: the SDK's own items
+    # items with no digest of their history (or another's) are not trusted either
+    context = items_to_context(SDK_ITEMS[1:2])
+    stale = HandoffContext(conversation_history=context.conversation_history, metadata={ITEMS_KEY: SDK_ITEMS})
+    assert context_to_items(stale) == [{"role": "user", "content": "I was charged twice"}]
 
 
 def sdk_worker(url: str, prefix: str) -> AbstractAsyncContextManager[object]:

@@ -14,10 +14,13 @@ import pytest
 from handoffbus import (
     ConversationEntry,
     DecodeError,
+    HandoffbusError,
     HandoffContext,
     HandoffRequest,
     HandoffStatus,
+    InvalidRequest,
     RouteRefused,
+    deserialize_context,
     serialize_context,
 )
 from handoffbus.a2a import A2A_STATES, a2a_state, a2a_task, agent_card
@@ -27,6 +30,7 @@ from handoffbus.policies import (
     RETURN_KEY,
     ContextPolicy,
     HandoffPolicy,
+    InvalidHook,
     Scenario,
     ToolCallError,
     TransferTarget,
@@ -96,6 +100,68 @@ async def test_input_filters_sync_async_and_remove_all_tools() -> None:
         await apply_context_policy(conversation(), None, [lambda ctx: {}])  # type: ignore[arg-type,return-value]
 
 
+async def test_a_filter_that_returns_no_context_is_a_typed_error(real_backend: str, servers: dict) -> None:
+    """A bad input filter or ``is_enabled`` raises a HandoffbusError (an InvalidRequest), which
+    stays a TypeError for code that caught one; nothing is sent."""
+    policy = HandoffPolicy(input_filters=[lambda ctx: ctx.to_dict()])  # type: ignore[list-item]
+    async with make_bus(real_backend, servers, policy=policy) as bus:
+        with pytest.raises(InvalidHook, match="returned dict, not HandoffContext") as caught:
+            await bus.client("req").request_handoff(req("req", "w-1", context_snapshot=serialize_context(
+                conversation())))
+        assert await bus.client("w-1").get_pending_handoffs() == []
+    assert isinstance(caught.value, InvalidRequest) and isinstance(caught.value, TypeError)
+    with pytest.raises(InvalidRequest, match="is_enabled must be a bool or a callable"):
+        await transfer_tools([TransferTarget(agent="a-1", is_enabled="yes")])
+
+
+class ContextReader(Agent):
+    agent_id = "reader-1"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[ReceivedHandoff] = []
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        self.seen.append(handoff)
+        return None
+
+
+def big_conversation() -> HandoffContext:
+    """A context of 1.5 MB, over the default limit of 1 MiB."""
+    return HandoffContext(conversation_history=[ConversationEntry(role="system", content="internal only"),
+                                                ConversationEntry(role="user", content="z" * 1_500_000)])
+
+
+async def test_a_raised_payload_limit_lets_the_work_hook_and_the_policy_read_large_contexts(
+        real_backend: str, servers: dict) -> None:
+    """With ``payload_limit`` raised, a context over 1 MiB reaches the work hook decoded, and
+    the bus's context policy applies to it (both decoded it with the 1 MiB default before)."""
+    limit = 4 * 1024 * 1024
+    snapshot = serialize_context(big_conversation())
+    assert len(snapshot) > 1024 * 1024
+    async with make_bus(real_backend, servers, payload_limit=limit) as bus:
+        reader = ContextReader()
+        handle = await bus.client("req").request_handoff(req("req", "reader-1", context_snapshot=snapshot))
+        async with serving(bus, reader):
+            with anyio.fail_after(30):
+                assert (await handle.outcome()).status is HandoffStatus.COMPLETED
+    [received] = reader.seen
+    assert received.context == big_conversation()
+    policy = HandoffPolicy(context=ContextPolicy(transfer_system_message=False))
+    async with make_bus(real_backend, servers, payload_limit=limit, policy=policy) as bus:
+        await bus.client("req").request_handoff(req("req", "reader-1", context_snapshot=snapshot))
+        [pending] = await bus.client("reader-1").get_pending_handoffs()
+    sent = deserialize_context(pending.request.context_snapshot or b"", limit=limit)
+    assert [e.role for e in sent.conversation_history] == ["user"]
+
+
+def test_a_received_handoff_decodes_up_to_the_limit_it_is_given() -> None:
+    snapshot = serialize_context(big_conversation())
+    request = req("req", "reader-1", context_snapshot=snapshot)
+    assert ReceivedHandoff.of("req/1", request).context is None  # no bus: the 1 MiB default
+    assert ReceivedHandoff.of("req/1", request, limit=len(snapshot)).context == big_conversation()
+
+
 async def test_large_and_binary_content_goes_out_of_band(real_backend: str, servers: dict) -> None:
     async with make_bus(real_backend, servers) as bus:
         big = "x" * 5000
@@ -117,6 +183,27 @@ async def test_large_and_binary_content_goes_out_of_band(real_backend: str, serv
         await bus.redis.delete(ref["$hb_blob"])
         with pytest.raises(DecodeError, match="is gone"):
             await restore(bus, out)
+
+
+async def test_a_shorter_lived_offload_of_the_same_content_never_shortens_a_blob(
+        real_backend: str, servers: dict) -> None:
+    """Two handoffs carrying the same content share one blob key: its lifetime is the longest
+    asked for, whichever came first."""
+    async with make_bus(real_backend, servers) as bus:
+        ctx = HandoffContext(tool_state={"file": b"\x00" * 10})
+        first = await offload(bus, "a", ctx, ttl=3600)
+        key = first.tool_state["file"]["$hb_blob"]
+        assert 3_500_000 < await bus.redis.pttl(key) <= 3_600_000
+        assert await offload(bus, "a", ctx, ttl=1) == first  # the same content, short-lived
+        assert await bus.redis.pttl(key) > 3_500_000  # still the first handoff's lifetime
+        await offload(bus, "a", ctx, ttl=7200)  # a longer one lengthens it
+        assert await bus.redis.pttl(key) > 7_100_000
+        await bus.redis.delete(key)  # gone (expired): the next offload writes it again
+        await offload(bus, "a", ctx, ttl=60)
+        assert 0 < await bus.redis.pttl(key) <= 60_000
+        assert await restore(bus, first) == ctx
+        with pytest.raises(InvalidRequest):
+            await offload(bus, "a", ctx, ttl=float("nan"))
 
 
 # ---------------------------------------------------------------------- loop guards
@@ -243,6 +330,22 @@ async def test_transfer_tools_and_is_enabled() -> None:
     with pytest.raises(ToolCallError, match="not available right now"):
         await request_from_tool_call("transfer_to_fraud_1", {}, from_agent="t", targets=targets,
                                      run_context={"verified": False})
+
+
+async def test_two_agents_that_make_one_transfer_tool_name_are_refused() -> None:
+    """``billing-1`` and ``Billing.1`` both make ``transfer_to_billing_1``: a call of it could
+    mean either, so neither the tools nor a call of them is made."""
+    targets = [TransferTarget(agent="billing-1", description="billing"),
+               TransferTarget(agent="Billing.1", description="billing (EU entity)")]
+    with pytest.raises(InvalidRequest, match=r"'Billing\.1' and 'billing-1' both make it"):
+        await transfer_tools(targets)
+    with pytest.raises(InvalidRequest, match="transfer_to_billing_1"):
+        await request_from_tool_call("transfer_to_billing_1", "{}", from_agent="triage-1", targets=targets)
+    with pytest.raises(InvalidRequest, match="listed twice"):
+        await transfer_tools([targets[0], targets[0]])
+    with pytest.raises(InvalidRequest):
+        TransferTarget(agent=None)  # type: ignore[arg-type]
+    assert issubclass(InvalidRequest, HandoffbusError)
 
 
 async def test_tool_calls_become_requests_or_errors_the_model_can_read() -> None:

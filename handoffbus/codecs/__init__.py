@@ -12,7 +12,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
-from ..errors import DecodeError, EncodeError, HandoffbusError
+from ..errors import DecodeError, EncodeError, InvalidRequest
 from . import framing
 from . import json as json_codec
 from . import msgpack as msgpack_codec
@@ -53,10 +53,12 @@ class PayloadCodec:
         compress_threshold: int = DEFAULT_COMPRESS_THRESHOLD,
         limit: int = DEFAULT_PAYLOAD_LIMIT,
     ) -> None:
-        if name not in CODECS:
-            raise HandoffbusError(f"unknown codec {name!r}; choose from {sorted(CODECS)}")
-        if limit <= 0 or compress_threshold < 0:
-            raise HandoffbusError("limit must be positive and compress_threshold non-negative")
+        if not isinstance(name, str) or name not in CODECS:
+            raise InvalidRequest(f"unknown codec {name!r}; choose from {sorted(CODECS)}")
+        if type(limit) is not int or limit < 1:
+            raise InvalidRequest(f"the payload limit must be an int of at least 1 (bytes), not {limit!r}")
+        if type(compress_threshold) is not int or compress_threshold < 0:
+            raise InvalidRequest(f"compress_threshold must be an int of at least 0 (bytes), not {compress_threshold!r}")
         self.name = name
         self._codec: Codec = CODECS[name]
         self.compress_threshold = compress_threshold

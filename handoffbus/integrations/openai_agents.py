@@ -22,6 +22,7 @@ COMPLETED result (``{"output": ..., "agent": <last agent>}``). From the command 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,19 @@ __all__ = ["RemoteAgentModel", "SdkAgent", "context_to_items", "items_to_context
 
 #: context metadata holding the SDK's own input items, for a lossless trip when both sides speak SDK
 ITEMS_KEY = "openai_agents.items"
+#: context metadata holding a digest of the conversation history the items were carried with:
+#: the items are used only while the history still has that digest, so that whatever changed
+#: the history on the way (a context policy, an input filter) changes what the SDK runs too
+ITEMS_DIGEST_KEY = "openai_agents.items_history"
+#: the roles of SDK input messages; an entry of another role becomes a user message naming it
+_SDK_ROLES = ("user", "assistant", "system", "developer")
+
+
+def history_digest(history: list[ConversationEntry]) -> str:
+    """A digest of a conversation history's content (its entries as sw4rm serializes them)."""
+    data = json.dumps([e.to_dict() for e in history], separators=(",", ":"), sort_keys=True,
+                      ensure_ascii=True, default=repr)
+    return hashlib.sha256(data.encode()).hexdigest()
 
 
 def _sdk() -> Any:
@@ -67,7 +81,8 @@ def _text(content: Any) -> str:
 def items_to_context(items: str | list[Any], *, reason: str = "") -> HandoffContext:
     """The SDK's input (a string, or response input items) as a handoff context: messages
     become conversation entries, function calls assistant entries with ``tool_calls``, their
-    outputs ``tool`` entries; the items themselves ride along in the metadata."""
+    outputs ``tool`` entries. The items themselves ride along in the metadata, with a digest
+    of the history they came with (see ``context_to_items``)."""
     if isinstance(items, str):
         return HandoffContext(conversation_history=[ConversationEntry(role="user", content=items)],
                               metadata={"handoff_reason": reason} if reason else {})
@@ -89,30 +104,45 @@ def items_to_context(items: str | list[Any], *, reason: str = "") -> HandoffCont
     try:
         json.dumps(plain)
         metadata[ITEMS_KEY] = plain
+        metadata[ITEMS_DIGEST_KEY] = history_digest(history)
     except (TypeError, ValueError):
         pass  # not plain JSON: the entries carry the conversation
     return HandoffContext(conversation_history=history, metadata=metadata)
 
 
 def context_to_items(context: HandoffContext | None, reason: str = "") -> list[dict[str, Any]]:
-    """A handoff context as SDK input items (the SDK's own items when they came along)."""
+    """A handoff context as SDK input items.
+
+    The SDK's own items, when they came along and the history is still the one they came
+    with. When something on the way changed the history (the bus's context policy, an input
+    filter), or they came without its digest, the items are built from the history as it
+    arrived: what the policy left out stays out."""
     if context is None:
         return [{"role": "user", "content": reason or "(handed over without context)"}]
     carried = context.metadata.get(ITEMS_KEY)
-    if isinstance(carried, list) and all(isinstance(i, dict) for i in carried):
+    if (isinstance(carried, list) and all(isinstance(i, dict) for i in carried)
+            and context.metadata.get(ITEMS_DIGEST_KEY) == history_digest(context.conversation_history)):
         return list(carried)
     items: list[dict[str, Any]] = []
     for entry in context.conversation_history:
         calls = entry.extra.get("tool_calls")
-        if entry.role == "assistant" and calls:
+        if entry.role == "tool":
+            items.append({"type": "function_call_output", "call_id": entry.tool_call_id, "output": entry.content})
+            continue
+        if entry.role in _SDK_ROLES:
+            if entry.content or not (entry.role == "assistant" and calls):
+                items.append({"role": entry.role, "content": entry.content})
+        else:  # a role the SDK has no word for: what was said, and by whom
+            speaker = entry.role + (f" {entry.name}" if entry.name else "")
+            items.append({"role": "user", "content": f"[{speaker}] {entry.content}"})
+        if entry.role == "assistant" and isinstance(calls, list):
             for call in calls:
-                function = call.get("function", {})
+                if not isinstance(call, dict):
+                    continue
+                function = call.get("function")
+                function = function if isinstance(function, dict) else {}
                 items.append({"type": "function_call", "call_id": call.get("id"), "name": function.get("name"),
                               "arguments": function.get("arguments", "")})
-        elif entry.role == "tool":
-            items.append({"type": "function_call_output", "call_id": entry.tool_call_id, "output": entry.content})
-        elif entry.role in ("user", "assistant", "system"):
-            items.append({"role": entry.role, "content": entry.content})
     return items or [{"role": "user", "content": reason or "(handed over without context)"}]
 
 

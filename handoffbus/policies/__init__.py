@@ -13,6 +13,7 @@ from __future__ import annotations
 from .blobs import offload as offload
 from .blobs import restore as restore
 from .context import ContextPolicy as ContextPolicy
+from .context import InvalidHook as InvalidHook
 from .context import apply_context_policy as apply_context_policy
 from .context import remove_all_tools as remove_all_tools
 from .guards import HOPS_KEY as HOPS_KEY
@@ -37,7 +38,7 @@ from .tools import transfer_tools as transfer_tools
 
 __all__ = [
     "HANDOFF_TOOL", "HOPS_KEY", "RESOLUTION_KEY", "RETURN_KEY", "AgentProfile", "ContextPolicy", "HandoffPolicy",
-    "HandoffResolution", "Route", "Scenario", "ScenarioError", "ToolCallError", "TransferTarget",
+    "HandoffResolution", "InvalidHook", "Route", "Scenario", "ScenarioError", "ToolCallError", "TransferTarget",
     "apply_context_policy", "check_hops", "handoff_tool", "hops_of", "offload", "remove_all_tools",
     "request_from_tool_call", "restore", "sanitize_shared_context", "transfer_tool_name", "transfer_tools",
 ]

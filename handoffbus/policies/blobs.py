@@ -9,8 +9,10 @@ place: ``{"$hb_blob": key, "size": n, "sha256": ..., "kind": "str"|"bytes"}``.
 
 What goes out: ``bytes`` anywhere in the tool state (JSON cannot hold them), and any string
 in the tool state or message content longer than the threshold. The content is stored once
-per digest, so the same content sent twice costs one key. A reference whose key has expired
-raises ``DecodeError`` when it is restored.
+per digest, so the same content sent twice costs one key. That key lives as long as the
+longest lifetime any of its handoffs asked for: a later offload of the same content with a
+shorter ``ttl`` never shortens it (Redis >= 7.0's ``PEXPIRE ... GT``). A reference whose key
+has expired raises ``DecodeError`` when it is restored.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from ..config import check_seconds
 from ..context import HandoffContext
-from ..errors import DecodeError
+from ..errors import DecodeError, InvalidRequest
 
 if TYPE_CHECKING:
     from ..bus import HandoffBus
@@ -45,6 +48,10 @@ async def offload(bus: HandoffBus, requester: str, context: HandoffContext, *, t
                   ttl: float | None = None) -> HandoffContext:
     """``context`` with its large and binary content moved to blob keys (written now, living
     ``ttl`` seconds: by default the bus's longest timeout plus its record retention)."""
+    if type(threshold) is not int or threshold < 0:
+        raise InvalidRequest(f"offload's threshold must be an int of at least 0 (bytes), not {threshold!r}")
+    if ttl is not None:
+        check_seconds("offload's ttl", ttl)
     found: dict[str, bytes] = {}
 
     def walk(value: Any) -> Any:
@@ -67,9 +74,15 @@ async def offload(bus: HandoffBus, requester: str, context: HandoffContext, *, t
     offloaded = msgspec.structs.replace(context, conversation_history=history, tool_state=walk(context.tool_state))
     if found:
         lifetime = ttl if ttl is not None else bus.config.max_timeout + bus.config.record_retention
+        ms = max(1, int(lifetime * 1000))
         async with bus.redis.pipeline(transaction=False) as pipe:
             for key, data in found.items():
-                pipe.set(key, data, px=int(lifetime * 1000))
+                # the same content may be another handoff's, living longer: a lifetime only
+                # grows. Written if absent; else lengthened if shorter; and written once more
+                # if absent, in case the key lapsed between the first two.
+                pipe.set(key, data, px=ms, nx=True)
+                pipe.pexpire(key, ms, gt=True)
+                pipe.set(key, data, px=ms, nx=True)
             await pipe.execute()
     return offloaded
 

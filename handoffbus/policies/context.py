@@ -23,10 +23,16 @@ from typing import Any
 import msgspec
 
 from ..context import ConversationEntry, HandoffContext
+from ..errors import InvalidRequest
 
-__all__ = ["ContextPolicy", "InputFilter", "apply_context_policy", "remove_all_tools"]
+__all__ = ["ContextPolicy", "InputFilter", "InvalidHook", "apply_context_policy", "remove_all_tools"]
 
 InputFilter = Callable[[HandoffContext], HandoffContext | Awaitable[HandoffContext]]
+
+
+class InvalidHook(InvalidRequest, TypeError):
+    """A policy's callable (an input filter, a tool's ``is_enabled``) is of the wrong type or
+    returned the wrong type. A ``TypeError`` too, as it was before it was an ``InvalidRequest``."""
 
 
 class ContextPolicy(msgspec.Struct, frozen=True, kw_only=True):
@@ -36,8 +42,12 @@ class ContextPolicy(msgspec.Struct, frozen=True, kw_only=True):
     drop_tool_results: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_history is not None and self.max_history < 1:
-            raise ValueError("max_history must be at least 1")
+        for name in ("preserve_history", "transfer_system_message", "drop_tool_results"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(f"ContextPolicy.{name} must be a bool, not {getattr(self, name)!r}")
+        if self.max_history is not None and (type(self.max_history) is not int or self.max_history < 1):
+            raise InvalidRequest(f"ContextPolicy.max_history must be None or an int of at least 1, "
+                                 f"not {self.max_history!r}")
 
 
 def _is_tool_call(entry: ConversationEntry) -> bool:
@@ -74,6 +84,6 @@ async def apply_context_policy(context: HandoffContext, policy: ContextPolicy | 
         if inspect.isawaitable(filtered):
             filtered = await filtered
         if not isinstance(filtered, HandoffContext):
-            raise TypeError(f"input filter {each!r} returned {type(filtered).__name__}, not HandoffContext")
+            raise InvalidHook(f"input filter {each!r} returned {type(filtered).__name__}, not HandoffContext")
         result = filtered
     return result

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 
 from ..context import HandoffContext, deserialize_context, serialize_context
-from ..errors import HandoffbusError, RouteRefused
+from ..errors import HandoffbusError, InvalidRequest, RouteRefused
 from ..models import HandoffRequest
 from .blobs import offload
 from .context import ContextPolicy, InputFilter, apply_context_policy
@@ -53,16 +53,27 @@ class HandoffPolicy:
         input_filters: Sequence[InputFilter] = (),
         offload_over: int | None = None,
     ) -> None:
-        if max_depth < 1 or max_visits < 1 or cycles not in ("refuse", "allow"):
-            raise ValueError("max_depth and max_visits must be at least 1, cycles 'refuse' or 'allow'")
-        if offload_over is not None and offload_over < 1:
-            raise ValueError("offload_over must be a positive number of bytes")
+        for name, value in (("max_depth", max_depth), ("max_visits", max_visits), ("offload_over", offload_over)):
+            if not (value is None and name == "offload_over") and (type(value) is not int or value < 1):
+                raise InvalidRequest(f"HandoffPolicy.{name} must be an int of at least 1, not {value!r}")
+        if cycles not in ("refuse", "allow"):
+            raise InvalidRequest(f"HandoffPolicy.cycles must be 'refuse' or 'allow', not {cycles!r}")
+        if scenario is not None and not isinstance(scenario, Scenario):
+            raise InvalidRequest(f"HandoffPolicy.scenario must be a Scenario, not {type(scenario).__name__}")
+        if context is not None and not isinstance(context, ContextPolicy):
+            raise InvalidRequest(f"HandoffPolicy.context must be a ContextPolicy, not {type(context).__name__}")
+        try:
+            filters: list[Any] = [input_filters] if isinstance(input_filters, str | bytes) else list(input_filters)
+        except TypeError:  # not a sequence
+            filters = [input_filters]
+        if not all(callable(f) for f in filters):
+            raise InvalidRequest("HandoffPolicy.input_filters must be a sequence of callables")
         self.scenario = scenario
         self.max_depth = max_depth
         self.cycles = cycles
         self.max_visits = max_visits
         self.context = context
-        self.input_filters = list(input_filters)
+        self.input_filters: list[InputFilter] = filters
         self.offload_over = offload_over
 
     def check(self, request: HandoffRequest, handoff_id: str = "-") -> None:
@@ -97,7 +108,7 @@ class HandoffPolicy:
         snapshot = request.context_snapshot
         if snapshot is not None:
             try:
-                context = deserialize_context(snapshot)
+                context = deserialize_context(snapshot, limit=bus.config.payload_limit)
             except HandoffbusError:
                 context = None  # not a sw4rm context: passed on as sent
             if context is not None:

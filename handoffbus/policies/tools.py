@@ -4,7 +4,9 @@
   ``target_agent`` enum is exactly the agents the scenario lets that agent hand off to.
 - ``transfer_tools``: one ``transfer_to_<agent>`` tool per target, in the Agents SDK's
   naming style; each target may be switched on and off with ``is_enabled`` (a bool, or a
-  callable, plain or async, given the run context).
+  callable, plain or async, given the run context). Two targets whose agents make the same
+  tool name (``billing-1`` and ``Billing.1``) raise ``InvalidRequest``: a call of that name
+  could not say which one it means.
 - ``request_from_tool_call``: a model's tool call turned into a ``HandoffRequest``. An
   unknown tool, unknown target or bad arguments raise ``ToolCallError``, whose message is
   written for the model to read and correct itself.
@@ -20,8 +22,9 @@ from typing import Any
 
 import msgspec
 
-from ..errors import HandoffbusError
+from ..errors import HandoffbusError, InvalidRequest
 from ..models import HandoffRequest
+from .context import InvalidHook
 from .scenario import Scenario
 
 __all__ = ["HANDOFF_TOOL", "ToolCallError", "TransferTarget", "handoff_tool", "request_from_tool_call",
@@ -40,6 +43,12 @@ class TransferTarget(msgspec.Struct, frozen=True, kw_only=True):
     agent: str
     description: str = ""
     is_enabled: Any = True  # a bool, or a callable (sync or async) of the run context
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.agent, str) or not self.agent:
+            raise InvalidRequest(f"TransferTarget.agent must be an agent id, not {self.agent!r}")
+        if not isinstance(self.description, str):
+            raise InvalidRequest(f"TransferTarget.description must be a str, not {type(self.description).__name__}")
 
 
 def transfer_tool_name(agent: str) -> str:
@@ -71,10 +80,27 @@ def handoff_tool(scenario: Scenario, agent: str) -> dict[str, Any] | None:
     })
 
 
-async def transfer_tools(targets: Sequence[TransferTarget], run_context: Any = None) -> list[dict[str, Any]]:
-    """A ``transfer_to_<agent>`` tool for every target enabled now."""
-    tools = []
+def _by_tool_name(targets: Sequence[TransferTarget]) -> dict[str, TransferTarget]:
+    """The targets by tool name; raises ``InvalidRequest`` when two of them make one name."""
+    by_name: dict[str, TransferTarget] = {}
     for target in targets:
+        if not isinstance(target, TransferTarget):
+            raise InvalidRequest(f"transfer targets must be TransferTarget, not {type(target).__name__}")
+        name = transfer_tool_name(target.agent)
+        seen = by_name.get(name)
+        if seen is not None:
+            twice = "is listed twice" if seen.agent == target.agent else f"and {seen.agent!r} both make it"
+            raise InvalidRequest(f"two transfer targets make the tool {name!r}: {target.agent!r} {twice}; "
+                                 "a call of it could not say which is meant")
+        by_name[name] = target
+    return by_name
+
+
+async def transfer_tools(targets: Sequence[TransferTarget], run_context: Any = None) -> list[dict[str, Any]]:
+    """A ``transfer_to_<agent>`` tool for every target enabled now (``InvalidRequest`` when two
+    targets make one tool name)."""
+    tools = []
+    for target in _by_tool_name(targets).values():
         if await _enabled(target.is_enabled, run_context):
             tools.append(_function(transfer_tool_name(target.agent),
                                    target.description or f"Handoff to the {target.agent} agent to handle the request.",
@@ -86,7 +112,7 @@ async def _enabled(flag: Any, run_context: Any) -> bool:
     if isinstance(flag, bool):
         return flag
     if not callable(flag):
-        raise TypeError(f"is_enabled must be a bool or a callable, not {type(flag).__name__}")
+        raise InvalidHook(f"is_enabled must be a bool or a callable, not {type(flag).__name__}")
     value = flag(run_context)
     if inspect.isawaitable(value):
         value = await value
@@ -118,7 +144,7 @@ async def request_from_tool_call(
             raise ToolCallError(f"cannot hand off to {target!r}: from {from_agent} you may hand off to "
                                 f"{', '.join(allowed) or 'no agent'}. Call {HANDOFF_TOOL} again with one of them.")
     else:
-        by_name = {transfer_tool_name(t.agent): t for t in targets}
+        by_name = _by_tool_name(targets)
         chosen = by_name.get(name)
         if chosen is None:
             raise ToolCallError(f"there is no tool {name!r}; the handoff tools are: {', '.join(by_name) or 'none'}")

@@ -20,13 +20,15 @@ capability it lacks, or that arrives while it is not RUNNABLE, and accepts the r
 from __future__ import annotations
 
 import enum
+import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import msgspec
 
-from ..context import HandoffContext, deserialize_context, serialize_context
+from ..config import check_seconds
+from ..context import DEFAULT_CONTEXT_LIMIT, HandoffContext, deserialize_context, serialize_context
 from ..errors import HandoffbusError, InvalidRequest
 from ..models import HandoffRequest
 from ..policies.guards import HOPS_KEY, RETURN_KEY, hops_of
@@ -89,17 +91,29 @@ class RetryPolicy(msgspec.Struct, frozen=True, kw_only=True):
     retry_on: tuple[type[BaseException], ...] = (Exception,)
 
     def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise InvalidRequest("RetryPolicy.attempts must be at least 1")
-        if self.delay < 0 or self.max_delay < 0 or self.backoff < 1 or not 0 <= self.jitter <= 1:
-            raise InvalidRequest("RetryPolicy needs delay, max_delay >= 0, backoff >= 1 and 0 <= jitter <= 1")
+        if type(self.attempts) is not int or self.attempts < 1:
+            raise InvalidRequest(f"RetryPolicy.attempts must be an int of at least 1, not {self.attempts!r}")
+        for name in ("delay", "max_delay"):
+            check_seconds(f"RetryPolicy.{name}", getattr(self, name), least=0)
+        for name, value, least, most in (("backoff", self.backoff, 1, math.inf), ("jitter", self.jitter, 0, 1)):
+            if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+                    or not least <= value <= most):
+                bounds = f"from {least} to {most}" if math.isfinite(most) else f"finite and at least {least}"
+                raise InvalidRequest(f"RetryPolicy.{name} must be a number {bounds}, not {value!r}")
+        kinds = self.retry_on if isinstance(self.retry_on, tuple) else (self.retry_on,)
+        if not all(isinstance(k, type) and issubclass(k, BaseException) for k in kinds):
+            raise InvalidRequest(f"RetryPolicy.retry_on must be a tuple of exception classes, not {self.retry_on!r}")
 
     def should_retry(self, attempt: int, exc: BaseException) -> bool:
         return attempt < self.attempts and isinstance(exc, self.retry_on)
 
     def delay_before(self, attempt: int) -> float:
         """Seconds to wait before the run after ``attempt``."""
-        base = min(self.max_delay, self.delay * self.backoff ** (attempt - 1))
+        try:  # a float power, its exponent bounded: a large attempt number costs nothing
+            grown = self.delay * float(self.backoff) ** min(attempt - 1, 4096)
+        except OverflowError:
+            grown = math.inf if self.delay else 0.0
+        base = min(self.max_delay, grown)
         return base * (1 - self.jitter * random.random())
 
 
@@ -127,12 +141,15 @@ class ReceivedHandoff(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def of(
         cls, handoff_id: str, request: HandoffRequest, attempt: int = 1,
-        renew: Callable[[], Awaitable[None]] = _no_heartbeat, client: Any = None,
+        renew: Callable[[], Awaitable[None]] = _no_heartbeat, client: Any = None, *,
+        limit: int = DEFAULT_CONTEXT_LIMIT,
     ) -> ReceivedHandoff:
+        """``limit``: the largest context decoded (a worker passes its bus's payload limit: a
+        context the bus carried is never refused here)."""
         context = None
         if request.context_snapshot is not None:
             try:
-                context = deserialize_context(request.context_snapshot)
+                context = deserialize_context(request.context_snapshot, limit=limit)
             except HandoffbusError:
                 context = None
         return cls(handoff_id=handoff_id, request=request, context=context, attempt=attempt, renew=renew,

@@ -600,7 +600,8 @@ class Worker:
 
         while True:
             try:
-                received = ReceivedHandoff.of(hid, request, attempt, renew, client)
+                received = ReceivedHandoff.of(hid, request, attempt, renew, client,
+                                              limit=self.bus.config.payload_limit)
                 context = received.context
                 if context is not None and has_blobs(request.context_snapshot):
                     restoring = functools.partial(restore, self.bus, context)
