@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 
 from . import errors, tracing
 from .config import MAX_PRIORITY
-from .errors import QUEUE_FULL, DecodeError, EncodeError, InvalidRequest, NotPermitted, raise_for_code
+from .errors import QUEUE_FULL, EncodeError, InvalidRequest, NotPermitted, raise_for_code
 from .handle import HandoffHandle
 from .models import (
     TERMINAL,
@@ -80,6 +80,11 @@ __all__ = ["HandoffClient"]
 
 log = logging.getLogger("handoffbus")
 
+#: the shortest acceptance timeout, in seconds (as config.check_seconds: Redis takes milliseconds)
+MIN_TIMEOUT = 0.001
+#: the largest part of a stream entry id ("<ms>-<seq>", each an unsigned 64-bit number)
+MAX_STREAM_ID_PART = 2**64 - 1
+
 #: the status each signed transition writes
 SIGNED_STATUS = {"accept": "ACCEPTED", "reject": "REJECTED", "complete": "COMPLETED", "fail": "FAILED",
                  "cancel": "CANCELLED"}
@@ -124,9 +129,11 @@ class HandoffClient:
             isinstance(timeout, bool)
             or not isinstance(timeout, int | float)
             or not -math.inf < timeout < math.inf  # NaN fails; a huge int compares (isfinite would overflow)
-            or not 0 < timeout <= self._bus.config.max_timeout
+            # at least a millisecond: the deadline is kept in ms, and less would round to "now"
+            or not MIN_TIMEOUT <= timeout <= self._bus.config.max_timeout
         ):
-            raise InvalidRequest(f"timeout must be in (0, {self._bus.config.max_timeout}] seconds")
+            raise InvalidRequest(
+                f"timeout must be a number of seconds from {MIN_TIMEOUT:g} to {self._bus.config.max_timeout}")
         if request.context_snapshot is not None and not isinstance(request.context_snapshot, bytes):
             raise InvalidRequest("context_snapshot must be bytes (see serialize_context)")
         if not isinstance(request.reason, str) or not isinstance(request.preserve_history, bool):
@@ -260,8 +267,11 @@ class HandoffClient:
                 reader.created(waiter, reply[4])
             waiter.set_deadline(int(reply[2]), int(reply[3]))
             late = reader.start(reply[4])
-            if status in TERMINAL and request.to_agent:
-                await bus.settle(request.to_agent, [handoff_id])  # e.g. this resubmission expired it
+            if code == 0 and len(reply) > 6 and int(reply[5]) == 1:  # this resubmission expired it
+                if reply[6]:  # its target (none for a routed handoff never offered): settled and counted
+                    await bus.settle_expired({reply[6].decode(): [handoff_id]})
+            elif status in TERMINAL and request.to_agent:
+                await bus.settle(request.to_agent, [handoff_id])
             if status is not HandoffStatus.PENDING or late:
                 await self._refresh(waiter)
             return HandoffHandle(self, waiter)
@@ -420,30 +430,46 @@ class HandoffClient:
         return None if found is None else found[2]
 
     async def get_pending_handoffs(self, agent_id: str | None = None) -> list[PendingHandoff]:
-        """PENDING handoffs queued for ``agent_id`` (default: this agent), in serving order."""
-        agent = check_name(agent_id or self.agent_id, "agent id")
+        """PENDING handoffs queued for ``agent_id`` (default, None: this agent), in serving order.
+
+        A queued handoff whose record cannot be decoded (its request is unreadable: corrupt,
+        or written by an incompatible codec) is left out with a logged warning, and the rest
+        are listed; its worker dead-letters it when it takes it.
+        """
+        pending, _ = await self._read_pending(agent_id)
+        return pending
+
+    async def _read_pending(self, agent_id: str | None) -> tuple[list[PendingHandoff], dict[str, str]]:
+        """``get_pending_handoffs``, and the queued handoffs it left out as undecodable, with why."""
+        agent = check_name(self.agent_id if agent_id is None else agent_id, "agent id")
         bus = self._bus
         handoff_ids = [h.decode() for h in await bus.redis.zrange(bus.keys.target(agent).queue, 0, -1)]
         rows = await bus.load_records(handoff_ids)
         now_ms = await bus.server_time_ms()
-        pending = []
+        pending, unreadable = [], {}
         for handoff_id, row in zip(handoff_ids, rows, strict=True):
             if row is None or row.status is not HandoffStatus.PENDING or row.deadline_ms <= now_ms:
                 continue
-            if row.request is None:
-                raise DecodeError(f"record of {handoff_id!r}: {row.error}")
+            if row.request is None:  # a poison record: one must not hide the others
+                log.warning("pending handoffs of %s: left out %s, whose record cannot be decoded: %s",
+                            agent, handoff_id, row.error)
+                unreadable[handoff_id] = str(row.error)
+                continue
             pending.append(PendingHandoff(
                 handoff_id=handoff_id, request=row.request, created_ms=row.created_ms, deadline_ms=row.deadline_ms,
             ))
-        return pending
+        return pending, unreadable
 
     async def list_agents(self) -> list[AgentInfo]:
         """Agents with at least one live worker (beating within its time to live), by agent id."""
         return list(await self._bus.router.directory.agents(max_age=0))
 
     async def get_dead_letters(self, agent_id: str | None = None, count: int = 100) -> list[DeadLetter]:
-        """The dead letters of ``agent_id`` (default: this agent), oldest first."""
-        agent = check_name(agent_id or self.agent_id, "agent id")
+        """The dead letters of ``agent_id`` (default, None: this agent), oldest first: at most
+        ``count`` (an int of at least 1)."""
+        agent = check_name(self.agent_id if agent_id is None else agent_id, "agent id")
+        if type(count) is not int or count < 1:
+            raise InvalidRequest(f"count must be an int of at least 1, not {count!r}")
         entries = await self._bus.redis.xrange(self._bus.keys.dead_letters(agent), count=count)
         return [
             DeadLetter(
@@ -461,7 +487,8 @@ class HandoffClient:
         a worker carries on from the recorded state (an ACCEPTED one is taken over, attempt + 1).
         """
         agent, bus = check_name(agent_id, "agent id"), self._bus
-        if not isinstance(entry_id, str) or not re.fullmatch(r"\d{1,20}-\d{1,20}", entry_id):
+        if (not isinstance(entry_id, str) or not re.fullmatch(r"\d{1,20}-\d{1,20}", entry_id)
+                or any(int(part) > MAX_STREAM_ID_PART for part in entry_id.split("-"))):
             raise InvalidRequest(f"not a stream entry id: {entry_id!r} (like 1700000000000-0)")
         key = bus.keys.dead_letters(agent)
         found = await bus.redis.xrange(key, entry_id, entry_id)

@@ -36,7 +36,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from .backoff import Backoff
 from .config import MAX_PRIORITY
-from .errors import CallRefused, ForwarderUnavailable, HandoffbusError
+from .errors import CallRefused, ForwarderUnavailable, HandoffbusError, InvalidName
 from .models import WorkerInfo
 from .names import check_name, check_names, split_handoff_id
 from .records import text
@@ -133,6 +133,16 @@ def _error(value: Any) -> Exception:
     return CallRefused(message) if kind == "forbidden" else ResponseError(message)
 
 
+def _is_agent_id(name: str) -> bool:
+    """Whether a name found in an outbox's key is a valid agent id. The SCAN pattern's ``{*}``
+    matches any text, braces included: a key an agent made in its own slot may name another."""
+    try:
+        check_name(name, "agent id")
+    except InvalidName:
+        return False
+    return True
+
+
 class Forwarder:
     """The trusted side: reads every isolated agent's outbox, checks each call, runs it."""
 
@@ -149,6 +159,7 @@ class Forwarder:
             check_name(agent, "agent id"): check_names(caps, "capability") for agent, caps in grants.items()}
         self._discover = discover
         self._serving: set[str] = set()
+        self._bogus: set[str] = set()  # outbox keys' names that are no agent id, warned about once
         #: calls run and refused, for operators and tests
         self.forwarded = 0
         self.refused = 0
@@ -168,7 +179,12 @@ class Forwarder:
                 pattern = f"{bus.keys.prefix}:{{*}}:outbox"
                 try:
                     async for key in bus.redis.scan_iter(match=pattern, count=500):
-                        found.add(text(key)[len(bus.keys.prefix) + 2:-len("}:outbox")])
+                        agent = text(key)[len(bus.keys.prefix) + 2:-len("}:outbox")]
+                        if _is_agent_id(agent):
+                            found.add(agent)
+                        elif agent not in self._bogus:  # e.g. "mallory}:x{billing-1": never served
+                            self._bogus.add(agent)
+                            log.warning("forwarder: ignored %s, whose owner is not a valid agent id", text(key))
                 except (RedisError, OSError) as exc:
                     log.warning("forwarder: looking for outboxes failed (%s)", exc)
                 for agent in sorted(found - self._serving):

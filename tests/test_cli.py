@@ -152,6 +152,62 @@ def test_status_watch_until_the_end_and_unknown_ids(cli: Cli, worker: subprocess
     assert cli("status", "no-slash").exit_code == 2
 
 
+def test_square_brackets_in_user_data_are_printed_as_they_are(cli: Cli) -> None:
+    # what users write (reasons, rejections, errors, results) is never read as Rich markup: "[/x]"
+    # crashed the commands with a MarkupError, and "[red]" vanished from the output
+    reason = "parse config[/etc/app.ini], list[red] and arr[bold]"
+    assert cli("request", "w-1", "--from", "req", "--request-id", "b-1", "--reason", reason).exit_code == 0
+    shown = cli("status", "req/b-1")
+    assert shown.exit_code == 0 and [reason] == [line.split(None, 1)[1] for line in shown.stdout.splitlines()
+                                                 if line.startswith("reason ")]
+    pending = cli("pending", "w-1")
+    assert pending.exit_code == 0 and reason in pending.stdout
+
+    async def refuse() -> None:
+        async with cli.bus() as bus:
+            await bus.client("w-1").reject_handoff("req/b-1", "no [/b] way [green]", code="BUSY")
+
+    in_loop(refuse)
+    refused = cli("status", "req/b-1")
+    rejected = [line.split(None, 1)[1] for line in refused.stdout.splitlines() if line.startswith("rejected ")]
+    assert refused.exit_code == 0 and rejected == ["BUSY no [/b] way [green]"]
+    # the same request again: it answers the handoff's decision at once
+    waited = cli("request", "w-1", "--from", "req", "--request-id", "b-1", "--reason", reason, "--wait")
+    assert waited.exit_code == 1 and "REJECTED by w-1: BUSY no [/b] way [green]" in waited.stdout
+    assert "Traceback" not in waited.output + refused.output + pending.output + shown.output
+
+
+def test_pending_lists_what_it_can_around_an_undecodable_record(cli: Cli) -> None:
+    async def poison() -> None:
+        async with cli.bus() as bus:
+            for name in ("p-1", "p-2", "p-3"):
+                await bus.client("req").request_handoff(req("req", "q-1", request_id=name, reason=name))
+            await bus.redis.set(bus.keys.record("req", "p-2").envelope, b"\x92garbage")
+            _, taken = await Inbox(bus, "q-1", "worker-3").take(1)  # one in flight as well
+            assert [d.handoff_id for d in taken] == ["req/p-1"]
+
+    in_loop(poison)
+    text = cli("pending", "q-1")
+    assert text.exit_code == 0, text.output
+    assert "req/p-3" in text.stdout and "1 queued" in text.stdout and "req/p-2" not in text.stdout
+    assert "1 in flight" in text.stdout and "worker-3" in text.stdout
+    assert "left out req/p-2, whose record cannot be decoded" in text.stderr
+    listed = cli.json("pending", "q-1")
+    assert [p["handoff_id"] for p in listed["queued"]] == ["req/p-3"]
+    assert [u["handoff_id"] for u in listed["unreadable"]] == ["req/p-2"]
+    assert [e["handoff_id"] for e in listed["in_flight"]] == ["req/p-1"]
+
+
+def test_dead_letter_counts_and_entry_ids_out_of_range_are_usage_errors(cli: Cli) -> None:
+    for args in (("dlq", "list", "x-1", "--count", "0"), ("dlq", "list", "x-1", "--count", "-3"),
+                 ("dlq", "replay", "x-1", "99999999999999999999-0"),
+                 ("dlq", "replay", "x-1", "1-18446744073709551616")):
+        result = cli(*args)
+        assert result.exit_code == 2 and "Traceback" not in result.output, (args, result.output)
+        assert "--count must be at least 1" in result.stderr or "not a stream entry id" in result.stderr
+    assert cli.json("dlq", "list", "x-1", "--count", "1") == []
+
+
 # ---------------------------------------------------------------------- pending in flight, dead letters
 
 

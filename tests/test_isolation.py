@@ -4,6 +4,7 @@ carries handoffs between them and refuses calls that act as someone else."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import AsyncIterator
@@ -387,6 +388,23 @@ async def test_mallory_cannot_reach_other_agents_handoffs_through_what_it_writes
         await mallory.redis.xadd(mallory.keys.outbox("mallory"), {"rid": "x", "calls": b"\x93"})
         again = await setup.buses["req"].client("req").request_handoff(req("req", "echo-1", reason="after"))
         assert await trusted.redis.zscore(trusted.keys.target("echo-1").queue, again.handoff_id) is not None
+
+
+async def test_an_outbox_key_naming_no_valid_agent_is_neither_served_nor_registered(
+    real_backend: str, servers: dict, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the forwarder's SCAN pattern "<p>:{*}:outbox" matches a key mallory may make in its own
+    # slot, "<p>:{mallory}:x{billing-1}:outbox": its "agent" is no agent id, and is skipped
+    caplog.set_level(logging.WARNING, logger="handoffbus")
+    async with isolated(real_backend, servers) as setup, anyio.create_task_group() as tg:
+        trusted, bogus = setup.trusted, "mallory}:x{billing-1"
+        await setup.buses["mallory"].redis.xadd(f"{setup.prefix}:{{{bogus}}}:outbox", {"x": "1"})
+        forwarder = Forwarder(trusted, ())
+        await tg.start(forwarder.run)  # started once its first look for outboxes is done
+        agents = {a.decode() for a in await trusted.redis.smembers(trusted.keys.agents)}
+        tg.cancel_scope.cancel()
+    assert bogus not in agents and {"req", "echo-1", "mallory"} <= agents  # found, or served from the start
+    assert any("not a valid agent id" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 
 
 def test_a_signature_with_a_non_ascii_digest_is_refused_not_a_crash() -> None:

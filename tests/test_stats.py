@@ -145,6 +145,32 @@ async def test_an_expiry_is_counted_once_however_often_the_handoff_is_touched(bu
     assert [c for c in counted if c[1] == "EXPIRED"] == [("bob", "EXPIRED", 1)]
 
 
+async def test_an_expiry_made_by_a_resubmission_is_counted_and_settled(real_bus: HandoffBus) -> None:
+    # the request script expires a resubmitted handoff whose deadline passed (its pending marker
+    # gone): that expiry is counted for the target, and settled, as a status read's is
+    counted: list[tuple[str, str, int]] = []
+
+    class Listener:
+        def counted(self, agent: str, field: str, n: int) -> None:
+            counted.append((agent, field, n))
+
+        def timed(self, agent: str, kind: str, seconds: float) -> None:
+            pass
+
+    real_bus.tally.listeners.append(Listener())
+    alice = real_bus.client("alice")
+    request = req("alice", "bob", request_id="again-1", timeout=600)  # far off: the sweep leaves it alone
+    first = await alice.request_handoff(request)
+    # its deadline passes: the marker expiring at it is what the scripts go by
+    await real_bus.redis.delete(real_bus.keys.record("alice", "again-1").marker)
+    again = await alice.request_handoff(request)  # the same request id and content: this call expires it
+    assert again.handoff_id == first.handoff_id
+    assert (await again.decision()).status is HandoffStatus.EXPIRED
+    assert (await alice.get_handoff_status(first.handoff_id)).status is HandoffStatus.EXPIRED  # counted once
+    assert [c for c in counted if c[1] == "EXPIRED"] == [("bob", "EXPIRED", 1)]
+    assert await real_bus.redis.zcard(real_bus.keys.target("bob").queue) == 0
+
+
 async def test_a_flush_waits_for_the_one_under_way(real_bus: HandoffBus) -> None:
     # the closing flush must not return while a timed one still holds counts in flight: were
     # the bus then closed, those would go back to a tally nobody flushes again

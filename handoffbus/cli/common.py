@@ -44,8 +44,10 @@ RedisUrl = Annotated[str | None, typer.Option(
 Prefix = Annotated[str | None, typer.Option("--prefix", help="key prefix (default hb)", show_default=False)]
 Json = Annotated[bool, typer.Option("--json", help="print JSON instead of text")]
 
-console = Console(highlight=False, soft_wrap=True)
-errors = Console(stderr=True, highlight=False, soft_wrap=True)
+# no markup: what the commands print holds user data (reasons, errors, results, names) that may
+# contain square brackets, and no fixed label of theirs is styled
+console = Console(highlight=False, soft_wrap=True, markup=False)
+errors = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
 
 
 @dataclass

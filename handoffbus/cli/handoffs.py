@@ -14,7 +14,7 @@ from ..a2a import utc_iso
 from ..context import deserialize_context, serialize_context
 from ..errors import DecodeError, PayloadTooLarge
 from ..keys import GROUP
-from ..models import HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatus
+from ..models import HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatus, PendingHandoff
 from ..names import split_handoff_id
 from .common import (
     EXIT_FAILED,
@@ -26,6 +26,7 @@ from .common import (
     ago,
     console,
     emit_json,
+    errors,
     open_bus,
     options,
     run,
@@ -243,7 +244,11 @@ def pending(
 async def _pending(opts: Options, agent: str, idle: int | None, count: int) -> int:
     async with open_bus(opts, "pending") as bus:
         now = await bus.server_time_ms()
-        queued = [] if idle is not None else (await bus.client("cli").get_pending_handoffs(agent))[:count]
+        queued: list[PendingHandoff] = []
+        unreadable: dict[str, str] = {}
+        if idle is None:  # a record that cannot be decoded is left out, and named apart
+            queued, unreadable = await bus.client("cli")._read_pending(agent)
+            queued = queued[:count]
         keys = bus.keys.target(agent)
         async with bus.redis.pipeline(transaction=False) as pipe:  # one slot: one round trip
             pipe.hgetall(keys.inflight)
@@ -258,8 +263,11 @@ async def _pending(opts: Options, agent: str, idle: int | None, count: int) -> i
                     "consumer": r["consumer"].decode(), "idle_ms": int(r["time_since_delivered"]),
                     "deliveries": int(r["times_delivered"])} for r in rows]
         if opts.json:
-            emit_json({"agent": agent, "queued": queued, "in_flight": entries})
+            emit_json({"agent": agent, "queued": queued, "in_flight": entries,
+                       "unreadable": [{"handoff_id": h, "error": e} for h, e in unreadable.items()]})
             return EXIT_OK
+        for handoff_id, error in unreadable.items():
+            errors.print(f"handoffbus: left out {handoff_id}, whose record cannot be decoded: {error}")
         if idle is None:
             console.print(table(
                 f"{agent}: {len(queued)} queued, in serving order",
@@ -284,6 +292,8 @@ def dlq_list(
     redis_url: RedisUrl = None, prefix: Prefix = None, as_json: Json = False,
 ) -> None:
     """List the handoffs an agent's workers gave up on, and why."""
+    if count < 1:
+        usage_error("--count must be at least 1")
     run(_dlq_list, options(ctx, redis_url, prefix, as_json), agent, count)
 
 

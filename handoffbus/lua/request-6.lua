@@ -24,9 +24,11 @@
 
   Returns:
     {1, 'PENDING', now ms, deadline ms, last response id}  created; the marker expires at the deadline
-    {0, current status, now ms, deadline ms, last response id}  the same request exists (a PENDING one is
-       marked `joined`, so that its creator's `withdraw` leaves it to this caller; if its deadline had
-       passed, it is made EXPIRED and EXPIRED is emitted)
+    {0, current status, now ms, deadline ms, last response id, expired now (1/0), to agent}  the same
+       request exists (a PENDING one is marked `joined`, so that its creator's `withdraw` leaves it
+       to this caller). If its deadline had passed, this call made it EXPIRED and emitted EXPIRED:
+       "expired now" is 1, telling the caller to take it out of its target's queue and count the
+       expiry for that target (to agent: '' for a routed handoff not yet offered to one)
     {-5} the request id exists with a different request (another fingerprint)
     {-8} the requester is at its cap of undecided handoffs (nothing written)
     {-10} the staged envelope is gone (nothing written)
@@ -41,14 +43,15 @@ local retention_ms, response_retention_ms = tonumber(ARGV[7]), tonumber(ARGV[8])
 local fingerprint = ARGV[9]
 local staged = ARGV[15] == '1'
 
-local existing = read_record(KEYS[1], {'fp', 'deadline'})
+local existing = read_record(KEYS[1], {'fp', 'deadline', 'to'})
 if existing.status then
   if staged then redis.call('DEL', KEYS[6]) end
   if existing.fp ~= fingerprint then return {-5} end
   local now = now_ms()
-  expire_if_due(KEYS, existing, request_id, now, retention_ms, response_retention_ms)
+  local expired = 0
+  if expire_if_due(KEYS, existing, request_id, now, retention_ms, response_retention_ms) then expired = 1 end
   if existing.status == 'PENDING' then redis.call('HSET', KEYS[1], 'joined', '1') end
-  return {0, existing.status, fmt(now), existing.deadline, last_response_id(KEYS[4])}
+  return {0, existing.status, fmt(now), existing.deadline, last_response_id(KEYS[4]), expired, existing.to or ''}
 end
 
 local cap = tonumber(ARGV[13] or 0)
