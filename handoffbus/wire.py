@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 from hiredis import pack_command
 from redis.crc import key_slot
 from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .scripts import Script
 
@@ -124,17 +127,23 @@ async def exchange(conn: Any, calls: list[ScriptCall], asking: list[bool] | None
     else:  # a cluster node
         data = b"".join((_ASKING if ask else b"") + pack_call(call, guard=True)
                         for call, ask in zip(calls, asking, strict=True))
-    return await _round_trip(conn, data, len(calls), asking)
+    # a script never blocks: the connection's socket timeout, if its URL set one, bounds each reply
+    return await _round_trip(conn, data, len(calls), asking, getattr(conn, "socket_timeout", None))
 
 
-async def _round_trip(conn: Any, data: bytes, count: int, asking: list[bool] | None = None) -> list[Any]:
+async def _round_trip(
+    conn: Any, data: bytes, count: int, asking: list[bool] | None = None, reply_wait: float | None = None
+) -> list[Any]:
     """Write ``data`` (``count`` commands, each after an ASKING where ``asking`` says so) and
-    read their replies; an error reply is returned as its exception, in its command's place."""
+    read their replies, each within ``reply_wait`` seconds if given (redis-py's TimeoutError
+    after it); an error reply is returned as its exception, in its command's place."""
     try:
         await conn.send_packed_command(data, check_health=False)
         # the parser itself, when it has one: redis-py's per-reply wrapper (timeouts, host
         # bookkeeping) costs more than the reply; hiredis hands error replies back as values
         read = getattr(getattr(conn, "_parser", None), "read_response", None) or conn.read_response
+        if reply_wait:
+            read = functools.partial(_within, reply_wait, read)
         replies: list[Any] = []
         for i in range(count):
             if asking is not None and asking[i]:
@@ -149,6 +158,14 @@ async def _round_trip(conn: Any, data: bytes, count: int, asking: list[bool] | N
             await conn.disconnect()  # the replies left on the wire belong to no one now
         raise
     return replies
+
+
+async def _within(seconds: float, read: Callable[[], Awaitable[Any]]) -> Any:
+    try:
+        with anyio.fail_after(seconds):
+            return await read()
+    except TimeoutError:
+        raise RedisTimeoutError(f"no reply within the socket timeout ({seconds}s)") from None
 
 
 class Line:

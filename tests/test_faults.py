@@ -17,6 +17,7 @@ import anyio
 import pytest
 from anyio.abc import TaskGroup
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from handoffbus import (
     EmbeddedServer,
@@ -136,6 +137,24 @@ async def test_a_request_whose_connection_is_cut_after_writing_is_made_once(own_
     assert proxy.cuts == 1 and sent == 4
     assert outcome.status is S.COMPLETED and echo.order == [handle.handoff_id]  # handled once
     assert statuses == ["ACCEPTED", "COMPLETED"] and queue_left == 0 and len(records) == 1
+
+
+async def test_a_socket_timeout_in_the_url_bounds_script_calls_too(own_server: EmbeddedServer) -> None:
+    """``?socket_timeout=`` in the URL: a peer that stopped answering fails a script call with
+    redis-py's TimeoutError, as it fails redis-py's own commands (script replies are read from
+    the parser directly, past redis-py's timeout, so they waited for ever)."""
+    async with anyio.create_task_group() as tg:
+        proxy = FaultProxy(own_server.port)
+        await tg.start(proxy.serve)
+        async with HandoffBus.connect(proxy.url + "?socket_timeout=0.5", sweep_interval=3600) as bus:
+            client = bus.client("req")
+            handle = await client.request_handoff(req("req", "echo-1"))
+            proxy.blackhole()  # connections stay open; nothing comes back
+            with anyio.fail_after(10), pytest.raises(RedisTimeoutError):
+                await client.get_handoff_status(handle.handoff_id)
+            proxy.restore()
+            proxy.reset()
+        tg.cancel_scope.cancel()
 
 
 async def test_script_cache_flushed_mid_run_fails_no_call(
