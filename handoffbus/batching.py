@@ -152,36 +152,47 @@ class ScriptBatcher:
         return await line.exchange(batch)
 
     async def _send(self, batch: list[ScriptCall], line: Line | None) -> None:
+        answers: dict[int, Any] = {}  # id(call) -> its latest reply
         broken: set[Group] = set()
+        failure: Exception | None = None
+        sending = batch
         try:
-            replies = await self._execute(batch, line)
-            broken |= _out_of_order(batch, replies)
-            lost = [c for c, r in zip(batch, replies, strict=True) if no_script(r)]
-            for _ in range(NOSCRIPT_ROUNDS):  # the cache may be flushed again between load and retry
-                if not lost:
+            for rounds in range(NOSCRIPT_ROUNDS + 1):  # the cache may be flushed again between load and retry
+                _answered(sending, await self._execute(sending, line), answers, broken)
+                lost = [c for c in sending if no_script(answers[id(c)])]
+                if not lost or rounds == NOSCRIPT_ROUNDS:
                     break
                 await self._reload([call.script for call in lost])
-                missing = [c for c in lost if c.group not in broken]  # a broken group is not sent again
-                if not missing:
+                sending = [c for c in lost if c.group not in broken]  # a broken group is not sent again
+                if not sending:
                     break
-                again = await self._execute(missing, line)
-                broken |= _out_of_order(missing, again)
-                retried = dict(zip(map(id, missing), again, strict=True))
-                replies = [retried.get(id(c), r) for c, r in zip(batch, replies, strict=True)]
-                lost = [c for c in missing if no_script(retried[id(c)])]
-        except Exception as exc:  # the connection failed: every call of the batch hears it
-            for call in batch:
-                call.finish(error=exc)
-            return
-        for call, reply in zip(batch, replies, strict=True):
+        except Exception as exc:  # the connection failed: the calls it left unanswered hear it
+            _answered(sending, getattr(exc, "replies_read", []), answers, broken)  # these ran
+            failure = exc
+        for call in batch:
+            reply = answers.get(id(call), _UNANSWERED)
             if call.group in broken:
                 call.finish(error=ScriptsFlushed(
                     "the server lost its scripts while these calls were on their way, and a later one ran "
                     "before an earlier one could; not sent again, they may be tried again"))
+            elif failure is not None and (reply is _UNANSWERED or no_script(reply)):
+                call.finish(error=failure)
             elif isinstance(reply, Exception):
                 call.finish(error=reply)
             else:
                 call.finish(result=reply)
+
+
+#: a call the connection's failure left without a reply
+_UNANSWERED = object()
+
+
+def _answered(calls: list[ScriptCall], replies: list[Any], answers: dict[int, Any], broken: set[Group]) -> None:
+    """Note the replies to the first ``len(replies)`` of ``calls`` (all of them, unless the
+    connection failed midway), and the groups they show to have run out of order."""
+    answered = calls[:len(replies)]
+    answers.update(zip(map(id, answered), replies, strict=True))
+    broken |= _out_of_order(answered, replies)
 
 
 def _out_of_order(calls: list[ScriptCall], replies: list[Any]) -> set[Group]:

@@ -136,7 +136,9 @@ async def _round_trip(
 ) -> list[Any]:
     """Write ``data`` (``count`` commands, each after an ASKING where ``asking`` says so) and
     read their replies, each within ``reply_wait`` seconds if given (redis-py's TimeoutError
-    after it); an error reply is returned as its exception, in its command's place."""
+    after it); an error reply is returned as its exception, in its command's place. A failure
+    raised carries the replies read before it as ``replies_read``: their commands ran."""
+    replies: list[Any] = []
     try:
         await conn.send_packed_command(data, check_health=False)
         # the parser itself, when it has one: redis-py's per-reply wrapper (timeouts, host
@@ -144,7 +146,6 @@ async def _round_trip(
         read = getattr(getattr(conn, "_parser", None), "read_response", None) or conn.read_response
         if reply_wait:
             read = functools.partial(_within, reply_wait, read)
-        replies: list[Any] = []
         for i in range(count):
             if asking is not None and asking[i]:
                 with contextlib.suppress(ResponseError):  # the call's own reply says what went wrong
@@ -153,9 +154,10 @@ async def _round_trip(
                 replies.append(await read())
             except ResponseError as exc:  # an error reply answers its own call only
                 replies.append(exc)
-    except BaseException:
+    except BaseException as exc:
         with anyio.CancelScope(shield=True):  # even when cancelled: never leak the socket
             await conn.disconnect()  # the replies left on the wire belong to no one now
+        exc.replies_read = replies  # type: ignore[attr-defined]
         raise
     return replies
 

@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 from redis._parsers.encoders import Encoder
 from redis.connection import PythonRespSerializer
 from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
 
-from handoffbus import HandoffBus, HandoffStatus, ScriptsFlushed
+from handoffbus import HandoffBus, HandoffHandle, HandoffStatus, ScriptsFlushed
 from handoffbus.scripts import SCRIPT_NAMES, Scripts, _files, key_count, script_source
-from handoffbus.wire import Group, Line, ScriptCall, pack_evalsha
+from handoffbus.wire import Group, Line, ScriptCall, _round_trip, pack_evalsha
 from handoffbus.workers.inbox import Inbox
 
 from .conftest import SERVER_BINARIES, Servers
@@ -242,3 +243,65 @@ async def test_the_doorbell_rings_when_work_lands_in_an_empty_queue(bus: Handoff
         assert await inbox.wait(seen, 5000)  # a worker blocked after `seen` wakes
     await inbox.requeue("a/r0", 0)  # queued behind r3, and rung all the same
     assert await last_ring() not in (None, rung)
+
+
+async def test_replies_read_before_the_connection_failed_reach_their_callers(
+    real_bus: HandoffBus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two requests share a pipeline and the connection fails after the first one's replies
+    were read: its caller gets its handle (its handoff exists; told the connection failed, it
+    would retry and have the work done twice); only the second hears the failure."""
+    client = real_bus.client("a")
+    await client.request_handoff(req("a", "b"))  # "b" registered as a target: both go in one batch
+    batcher = real_bus._batcher
+    assert batcher is not None
+    execute = batcher._execute
+    cut: list[int] = []
+
+    async def fails_midway(batch: list[ScriptCall], line: Line | None) -> list[Any]:
+        replies = await execute(batch, line)  # every call ran
+        if len(batch) == 4 and not cut:  # two records and their queue entries
+            cut.append(len(batch))
+            exc = RedisConnectionError("Connection reset by peer")
+            exc.replies_read = replies[:2]  # type: ignore[attr-defined]  # what came back before it
+            raise exc
+        return replies
+
+    monkeypatch.setattr(batcher, "_execute", fails_midway)
+    results: dict[str, Any] = {}
+
+    async def ask(reason: str) -> None:
+        try:
+            results[reason] = await client.request_handoff(req("a", "b", reason=reason))
+        except RedisConnectionError as exc:
+            results[reason] = exc
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ask, "first")
+        tg.start_soon(ask, "second")
+    assert cut == [4]
+    assert isinstance(results["first"], HandoffHandle) and isinstance(results["second"], RedisConnectionError)
+    assert (await results["first"].status()).status is HandoffStatus.PENDING
+
+
+async def test_a_failed_round_trip_says_which_replies_it_read() -> None:
+    class Cut:  # a connection that answers two commands, then fails
+        def __init__(self) -> None:
+            self.replies = iter([b"one", b"two"])
+            self.disconnected = False
+
+        async def send_packed_command(self, data: bytes, check_health: bool = True) -> None:
+            pass
+
+        async def read_response(self) -> Any:
+            for reply in self.replies:
+                return reply
+            raise RedisConnectionError("Connection reset by peer")
+
+        async def disconnect(self) -> None:
+            self.disconnected = True
+
+    conn = Cut()
+    with pytest.raises(RedisConnectionError) as failed:
+        await _round_trip(conn, b"", 3)
+    assert failed.value.replies_read == [b"one", b"two"] and conn.disconnected  # type: ignore[attr-defined]
