@@ -349,6 +349,16 @@ class Forwarder:
                 if sender in (requester, text(to or b"")):
                     return None
                 return f"load of {handoff_id!r}, which is not addressed to or sent by {sender!r}"
+            if name == "blob":  # out-of-band content of a handoff's context, read by its target
+                if len(keys) != 2:
+                    return "blob read with keys that are not a blob's and its handoff's record"
+                requester, request_id = split_handoff_id(_handoff_of_record_key(bus, keys[1:2], envelope=False))
+                if not keys[0].startswith(f"{bus.keys.slot(requester)}blob:"):
+                    return f"blob read of {keys[0]!r}, which is not {requester!r}'s out-of-band content"
+                to = await bus.redis.hget(keys[1], "to")
+                if sender in (requester, text(to or b"")):
+                    return None
+                return f"blob read for {requester}/{request_id}, which is not addressed to or sent by {sender!r}"
             if name in ("enqueue", "route") and not _priority(args[1]):
                 return f"{name} with a priority that is not an int in [-{MAX_PRIORITY}, {MAX_PRIORITY}]"
             if name == "route" and not re.fullmatch(r"\+\d{1,15}", text(args[2])):
@@ -406,15 +416,16 @@ def _priority(value: Any) -> bool:
     return type(value) is int and -MAX_PRIORITY <= value <= MAX_PRIORITY
 
 
-def _handoff_of_record_key(bus: HandoffBus, keys: Sequence[str]) -> str:
-    """The handoff whose record and envelope keys these are (a load's two keys)."""
-    if len(keys) != 2:
-        raise ValueError("a record key and its envelope key expected")
+def _handoff_of_record_key(bus: HandoffBus, keys: Sequence[str], *, envelope: bool = True) -> str:
+    """The handoff whose record and envelope keys these are (a load's two keys; a record key
+    alone with ``envelope=False``)."""
+    if len(keys) != (2 if envelope else 1):
+        raise ValueError("a record key and its envelope key expected" if envelope else "a record key expected")
     prefix = f"{bus.keys.prefix}:{{"
     key = keys[0]
     if not key.startswith(prefix) or "}:h:" not in key:
         raise ValueError(f"{key!r} is not a record key")
     requester, _, request_id = key[len(prefix):].partition("}:h:")
-    if keys[1] != bus.keys.record(requester, request_id).envelope:
+    if envelope and keys[1] != bus.keys.record(requester, request_id).envelope:
         raise ValueError(f"{keys[1]!r} is not the envelope of {key!r}")
     return f"{requester}/{request_id}"

@@ -53,6 +53,7 @@ SCRIPT_NAMES = (
     "unroutable",
     "count",
     "observe",
+    "blob",
 )
 _INCLUDE = re.compile(r"^-- @include (\w+)$", re.MULTILINE)
 

@@ -22,6 +22,7 @@ from redis.exceptions import NoPermissionError
 from handoffbus import (
     CallRefused,
     HandoffBus,
+    HandoffContext,
     HandoffRequest,
     HandoffStatus,
     InvalidRequest,
@@ -30,9 +31,11 @@ from handoffbus import (
     SigningKey,
     TooManyPending,
     Worker,
+    serialize_context,
 )
 from handoffbus.acl import AclUser, agent_user, forwarder_user
 from handoffbus.forwarding import Forwarder
+from handoffbus.policies.blobs import offload, restore
 from handoffbus.routing import set_id
 from handoffbus.workers import Accept, Agent, ReceivedHandoff, Reject
 from handoffbus.workers.routes import RouteFeed
@@ -517,3 +520,35 @@ async def test_an_isolated_requester_at_its_cap_is_told_so(real_backend: str, se
         with anyio.fail_after(10), pytest.raises(TooManyPending):
             await client.request_handoff(HandoffRequest(
                 from_agent="req", to_agent=to, capabilities_required=[] if to else ["echo"], timeout=60))
+
+
+async def test_an_isolated_worker_reads_the_out_of_band_content_of_its_handoffs_only(
+    real_backend: str, servers: dict
+) -> None:
+    """A context's large content lives in its requester's slot, which an isolated target may
+    not read: its reads go through the forwarder, which lets a handoff's target and requester
+    read that handoff's requester's blobs, and no one else."""
+    seen: list[Any] = []
+
+    class Reads(Echo):
+        async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+            assert handoff.context is not None
+            seen.append(handoff.context.tool_state["report"])
+            return "read"
+
+    async with isolated(real_backend, servers) as setup:
+        req_bus = setup.buses["req"]
+        report = "A" * 70_000
+        offloaded = await offload(req_bus, "req", HandoffContext(tool_state={"report": report}), threshold=65_536)
+        handle = await req_bus.client("req").request_handoff(
+            req("req", "echo-1", context_snapshot=serialize_context(offloaded)))
+        async with anyio.create_task_group() as tg:
+            worker = Worker(setup.buses["echo-1"], Reads())
+            await tg.start(worker.run)
+            with anyio.fail_after(10):
+                outcome = await handle.outcome()
+            worker.drain()
+        assert outcome.status is HandoffStatus.COMPLETED and seen == [report]
+        # mallory, neither its target nor its requester, is refused the same read
+        with pytest.raises(CallRefused):
+            await restore(setup.buses["mallory"], offloaded, handle.handoff_id)

@@ -523,11 +523,11 @@ async def test_a_context_whose_blobs_could_not_be_read_for_a_moment_is_restored(
         req("a", Reads.agent_id, context_snapshot=serialize_context(offloaded)))
     failed: list[str] = []
 
-    async def flaky(bus: HandoffBus, context: HandoffContext) -> HandoffContext:
+    async def flaky(bus: HandoffBus, context: HandoffContext, handoff_id: str | None = None) -> HandoffContext:
         if not failed:
             failed.append(handle.handoff_id)
             raise RedisConnectionError("Connection reset by peer")
-        return await restore(bus, context)
+        return await restore(bus, context, handoff_id)
 
     monkeypatch.setattr(runner, "restore", flaky)
     worker = Worker(real_bus, Reads())

@@ -25,6 +25,7 @@ import msgspec
 from ..config import check_seconds
 from ..context import HandoffContext
 from ..errors import DecodeError, InvalidRequest
+from ..names import split_handoff_id
 
 if TYPE_CHECKING:
     from ..bus import HandoffBus
@@ -93,8 +94,9 @@ def has_blobs(snapshot: bytes | None) -> bool:
     return snapshot is not None and _BLOB_REF_JSON in snapshot
 
 
-async def restore(bus: HandoffBus, context: HandoffContext) -> HandoffContext:
-    """``context`` with every blob reference replaced by its content."""
+async def restore(bus: HandoffBus, context: HandoffContext, handoff_id: str | None = None) -> HandoffContext:
+    """``context`` with every blob reference replaced by its content. An isolated agent reads
+    a peer's blobs through the forwarder, which needs the ``handoff_id`` whose context it is."""
     refs: list[dict[str, Any]] = []
 
     def collect(value: Any) -> None:
@@ -114,10 +116,18 @@ async def restore(bus: HandoffBus, context: HandoffContext) -> HandoffContext:
     if not refs:
         return context
     keys = sorted({ref[BLOB_REF] for ref in refs})
-    async with bus.redis.pipeline(transaction=False) as pipe:
-        for key in keys:
-            pipe.get(key)
-        values = dict(zip(keys, await pipe.execute(), strict=True))
+    if handoff_id is not None and bus.forwarded(keys):
+        record = bus.keys.record(*split_handoff_id(handoff_id)).record
+        replies = await bus.scripts_many([("blob", [key, record], []) for key in keys])
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+    else:
+        async with bus.redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.get(key)
+            replies = await pipe.execute()
+    values = dict(zip(keys, replies, strict=True))
 
     def content(ref: dict[str, Any]) -> Any:
         data = values.get(ref[BLOB_REF])

@@ -604,7 +604,7 @@ class Worker:
                                               limit=self.bus.config.payload_limit)
                 context = received.context
                 if context is not None and has_blobs(request.context_snapshot):
-                    restoring = functools.partial(restore, self.bus, context)
+                    restoring = functools.partial(restore, self.bus, context, hid)
                     restored = await self._until_answered("restoring the context", hid, restoring)
                     received = msgspec.structs.replace(received, context=restored)
                 result = await _call(self.agent.on_handoff_received, received)
