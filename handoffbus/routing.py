@@ -193,10 +193,23 @@ class Router:
     async def unroute(self, canonical: str, handoff_id: str) -> None:
         """Take back the entry a new request's ``route`` call queued when its record was
         refused (it travels in the record's round trip): no handoff stands behind it."""
-        route = self._bus.keys.route(set_id(canonical))
+        await self.unroute_many([(canonical, handoff_id)])
+
+    async def unroute_many(self, items: Sequence[tuple[str, str]]) -> None:
+        """Take (capability set, handoff id) entries out of their sets' queues, in one round
+        trip: handoffs that will never be offered again (expired, or never created). Entries
+        already gone do not matter; a claimed one loses its meta, so that its claim, if never
+        acknowledged, does not put it back."""
+        by_set: dict[str, list[str]] = {}
+        for canonical, handoff_id in items:
+            by_set.setdefault(set_id(canonical), []).append(handoff_id)
+        if not by_set:
+            return
         async with self._bus.redis.pipeline(transaction=False) as pipe:
-            pipe.zrem(route.queue, handoff_id)
-            pipe.hdel(route.meta, handoff_id)
+            for sid, ids in by_set.items():
+                route = self._bus.keys.route(sid)
+                pipe.zrem(route.queue, *ids)
+                pipe.hdel(route.meta, *ids)
             await pipe.execute()
 
     def ring_calls(self, candidates: Sequence[AgentInfo], handoff_id: str, deferred: str = ",") -> list[Call]:

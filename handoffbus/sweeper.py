@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import TaskStatus
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from .plainreads import refuses_scripts
 from .routing import Reroute
@@ -50,6 +50,8 @@ class Sweeper:
         #: again every ``scripts_recheck``
         self.refused = False
         self._refused_event = anyio.Event()
+        #: requesters whose sweep script failed at their last pass (each is logged once as a warning)
+        self._failing: set[str] = set()
 
     async def wait_pass(self) -> None:
         """Return when this bus finishes its next sweep pass (expiry and queue settlement)."""
@@ -82,7 +84,7 @@ class Sweeper:
             nonlocal expired
             by_target: dict[str, list[str]] = defaultdict(list)
             lapsed: list[Reroute] = []  # routed handoffs whose offer lapsed: route them again
-            failed: BaseException | None = None
+            unrouted: list[tuple[str, str]] = []  # (capability set, handoff id) of expired routed ones
             # shielded (and bounded): once the scripts made handoffs EXPIRED or let offers lapse,
             # settling those queues and routing the lapsed again must follow, or nothing would
             # (the deadline index no longer lists them)
@@ -94,18 +96,24 @@ class Sweeper:
                       int(bus.config.route_guard * 1000)])
                     for agent in batch
                 ])
-                for reply in replies:
-                    if isinstance(reply, BaseException):  # one requester's slot failed, not the others
-                        failed = failed or reply
+                for agent, reply in zip(batch, replies, strict=True):
+                    if isinstance(reply, BaseException):
+                        # one requester's slot failed (its keys written by hand, its node out of
+                        # reach): the others, in this batch and the next, are swept all the same
+                        self._failed(agent, reply)
                         continue
+                    self._failing.discard(agent)
                     n_expired, n_lapsed = int(reply[0]), int(reply[1])
                     expired += n_expired
                     if n_expired + n_lapsed >= bus.config.sweep_batch:
                         self.backlog = True  # a full batch: more may be due already
-                    pairs_end = 2 + 2 * n_expired
-                    for i in range(2, pairs_end, 2):
+                    pairs_end = 2 + 3 * n_expired
+                    for i in range(2, pairs_end, 3):
+                        hid = reply[i].decode()
                         if reply[i + 1]:
-                            by_target[reply[i + 1].decode()].append(reply[i].decode())
+                            by_target[reply[i + 1].decode()].append(hid)
+                        if reply[i + 2]:  # routed: its set's queue may hold it still, for no one
+                            unrouted.append((reply[i + 2].decode(), hid))
                     for i in range(n_lapsed):
                         try:
                             lapsed.append(Reroute.of(reply[pairs_end + 7 * i:pairs_end + 7 * i + 7]))
@@ -113,11 +121,16 @@ class Sweeper:
                             log.warning("expiry sweep: a lapsed offer that cannot be routed again (%s)", exc)
                 if by_target:
                     await bus.settle_expired(by_target)
+                if unrouted:
+                    try:
+                        await bus.router.unroute_many(unrouted)
+                    except (RedisError, RedisClusterException, OSError) as exc:
+                        # left queued, they are dropped by the first pull that reads them
+                        log.warning("expiry sweep: could not take expired handoffs out of their "
+                                    "sets' queues (%s)", exc)
                 if lapsed:
                     await bus.router.reroute(lapsed)
             batch.clear()
-            if failed is not None:
-                raise failed
 
         async for raw in bus.redis.sscan_iter(bus.keys.requesters, count=500):
             batch.append(raw.decode())
@@ -126,6 +139,14 @@ class Sweeper:
         if batch:
             await flush()
         return expired
+
+    def _failed(self, requester: str, exc: BaseException) -> None:
+        if requester in self._failing:
+            log.debug("expiry sweep of requester %s failed again (%s)", requester, exc)
+            return
+        self._failing.add(requester)
+        log.warning("expiry sweep of requester %s failed (%s); sweeping the others, and it again next pass",
+                    requester, exc)
 
     async def release_lease(self) -> None:
         bus = self._bus
@@ -141,7 +162,8 @@ class Sweeper:
                     await self._loop()
                 finally:
                     # hand the job over now rather than when the lease times out
-                    with anyio.move_on_after(RELEASE_WAIT, shield=True), contextlib.suppress(RedisError, OSError):
+                    with anyio.move_on_after(RELEASE_WAIT, shield=True), contextlib.suppress(
+                            RedisError, RedisClusterException, OSError):
                         await self.release_lease()
         finally:
             self._stopped.set()

@@ -1,7 +1,9 @@
 --[[
   admit: a worker puts routed handoffs it pulled and was assigned into its agent's inbox,
   delivered to itself, exactly as `take` does for handoffs from the agent's own queue.
-  Idempotent: a handoff already in flight here, or named twice, is admitted once.
+  Idempotent: a handoff already in flight here, or named twice, is admitted once. A named
+  handoff also queued in KEYS[1] (redirected here by a refusal while its set's queue held it
+  too) leaves that queue, so that `take` does not deliver it a second time.
 
   KEYS[1] queue   KEYS[2] inbox   KEYS[3] in-flight index   KEYS[4] sequence   KEYS[5] doorbell
   ARGV[1] consumer group   ARGV[2] consumer name   ARGV[3..] handoff ids
@@ -17,4 +19,6 @@ for i = 3, #ARGV do
   if not seen[ARGV[i]] and redis.call('HEXISTS', KEYS[3], ARGV[i]) == 0 then hids[#hids + 1] = ARGV[i] end
   seen[ARGV[i]] = true
 end
+-- in flight here now (or already): a copy in the agent's own queue is not served again
+for first = 3, #ARGV, SLICE do redis.call('ZREM', KEYS[1], unpack(ARGV, first, math.min(first + SLICE - 1, #ARGV))) end
 return deliver(ARGV[1], ARGV[2], hids, {})

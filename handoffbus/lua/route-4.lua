@@ -14,9 +14,15 @@
   ARGV[7] time the handoff was requested (ms; 0 = now: a new request, which leaves an entry
           already queued untouched, refusals and all)
 
-  The score is (requested + priority * step) * 1024 + sequence mod 1024: lower priority
+  The score is (requested + priority * step) * 1024 + tick mod 1024: lower priority
   numbers go first, but a request is overtaken only by requests of a better priority made
   less than (difference in priority * step) after it, so low priorities cannot starve.
+  KEYS[4] is the set's routing clock, the last tick issued in 1/1024 ms (ms * 1024 + n):
+  each route takes the next tick, and never one before the first of TIME's millisecond. A new
+  request's "requested" is its tick's millisecond, so requests of one priority are served in
+  the order they were routed, however many fall in one millisecond (past 1024, the ticks run
+  on into the next millisecond). A handoff routed again keeps its requested time, with its
+  tick's n as the tie-break.
 
   Returns 1 queued, 0 already queued (meta updated), or a new request already routed.
 ]]
@@ -44,9 +50,15 @@ if meta then
 end
 local queued = 0
 if not score then
-  if since == 0 then since = now end
-  local seq = redis.call('INCR', KEYS[4]) % 1024
-  score = string.format('%.0f', (since + tonumber(ARGV[2]) * tonumber(ARGV[6])) * 1024 + seq)
+  -- the next tick of the routing clock (a counter below TIME's: one left by an earlier version,
+  -- or a clock that fell behind, starts again at this millisecond's first tick)
+  local tick = redis.call('INCR', KEYS[4])
+  if tick < now * 1024 then
+    tick = now * 1024
+    redis.call('SET', KEYS[4], string.format('%.0f', tick))
+  end
+  if since == 0 then since = math.floor(tick / 1024) end
+  score = string.format('%.0f', (since + tonumber(ARGV[2]) * tonumber(ARGV[6])) * 1024 + tick % 1024)
   redis.call('ZADD', KEYS[1], score, hid)
   queued = 1
 end

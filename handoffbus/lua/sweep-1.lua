@@ -15,9 +15,11 @@
           that if the caller's routing of it is lost (its reply, or the caller itself) the
           sweep routes it once more then (as `reject` guards a refusal)
 
-  Returns {expired count, lapsed count, (handoff id, to agent) per expired handoff, then per
-  lapsed offer: handoff id, capability set, priority, created, deadline, refused, deferred}.
-  The caller removes expired handoffs from their target queues and routes lapsed ones again.
+  Returns {expired count, lapsed count, (handoff id, to agent, capability set) per expired
+  handoff, then per lapsed offer: handoff id, capability set, priority, created, deadline,
+  refused, deferred}. The capability set is '' for a direct handoff. The caller removes expired
+  handoffs from their target queues (to agent), and from their set's route queue (capability
+  set: one not offered to an agent waits there), and routes lapsed ones again.
   Events: EXPIRED on <p>:{R}:responses for each expired handoff.
 ]]
 -- @include record
@@ -36,13 +38,14 @@ for _, member in ipairs(due) do
   local request_id = offer and string.sub(member, 3) or member
   local keys = {base .. 'h:' .. request_id, base .. 'p:' .. request_id, KEYS[1], base .. 'responses',
     base .. 'e:' .. request_id}
-  local rec = read_record(keys[1], {'to', 'chain', 'deferred'})
+  local rec = read_record(keys[1], {'to', 'chain', 'deferred', 'caps'})
   if rec.status ~= 'PENDING' or rec.id ~= requester .. '/' .. request_id then
     redis.call('ZREM', KEYS[1], member)  -- decided, gone or not its own: a stale index entry
   elseif expire_if_due(keys, rec, request_id, now, retention_ms, response_retention_ms) then
     out[1] = out[1] + 1
     out[#out + 1] = rec.id
-    out[#out + 1] = rec.to
+    out[#out + 1] = rec.to or ''
+    out[#out + 1] = rec.caps or ''
   elseif offer then
     if rec.to ~= '' then
       -- it did not refuse, but it did not decide either: offer others first for a while

@@ -9,6 +9,8 @@
 
   Returns {doorbell last id, handoff id, inbox entry id, ...} in serving order. When nothing
   was taken, block on KEYS[5] after the returned id: a later enqueue wakes the caller.
+  A queued handoff already in the in-flight index leaves the queue and is not delivered
+  again (nor counted in COUNT).
 ]]
 -- @include holder
 -- @include queue
@@ -23,8 +25,18 @@ local bell = redis.call('XREVRANGE', KEYS[5], '+', '-', 'COUNT', 1)
 if bell[1] then out[1] = bell[1][1] end
 if count <= 0 then return out end
 
-local popped = redis.call('ZPOPMIN', KEYS[1], count)
-if #popped == 0 then return out end
+-- a queued handoff already in flight here (admitted by a pull while also queued: a routed
+-- handoff redirected here that its set's queue also held) is dropped, not delivered twice;
+-- pop again for the places it took (each round removes what it pops, so this ends)
 local hids = {}
-for i = 1, #popped, 2 do hids[#hids + 1] = popped[i] end
+while #hids < count do
+  local popped = redis.call('ZPOPMIN', KEYS[1], math.min(count - #hids, SLICE))  -- SLICE: unpack's limit
+  if #popped == 0 then break end
+  local ids = {}
+  for i = 1, #popped, 2 do ids[#ids + 1] = popped[i] end
+  local flying = redis.call('HMGET', KEYS[3], unpack(ids))
+  for i = 1, #ids do
+    if not flying[i] then hids[#hids + 1] = ids[i] end
+  end
+end
 return deliver(group, consumer, hids, out)

@@ -26,7 +26,9 @@ __all__ = ["RouteFeed"]
 
 log = logging.getLogger("handoffbus")
 
-#: how many queued entries a pull looks at for ones this agent may take
+#: how many queued entries a pull reads at a time for ones this agent may take; while it has
+#: taken fewer than it asked for, it reads the next ones, up to 16 times this many in all
+#: (pull-4.lua's WINDOWS), so entries it may not take hide no work further back
 SCAN = 64
 #: look at the sets again at least this often (seconds), rung or not
 RELOOK = 1.0

@@ -53,16 +53,21 @@ end
   Move a record to `status`: write `extra` (field/value pairs), append the history entry
   (status, actor, Redis time), leave the pending indexes when leaving PENDING, emit the
   response, and start the retention TTL once terminal. `rec` holds what the caller read:
-  status, id, hist and agent (the owner, if any). Names in history are validated by the
-  client to [A-Za-z0-9_.:-]. Returns the response as response_reply() builds it.
+  status, id, hist (a missing or malformed one starts anew) and agent (the owner, if any).
+  Names in history are validated by the client to [A-Za-z0-9_.:-]. Returns the response as
+  response_reply() builds it.
 ]]
 local function transition(keys, rec, request_id, status, actor, now, extra, retention_ms, response_retention_ms,
     head)
   local key, ts = keys[1], fmt(now)
   -- a response carries its own transition's fields only (the owner, 'agent', stays)
   redis.call('HDEL', key, 'reason', 'code', 'retry', 'redirect', 'result', 'error', 'rmeta', 'sig')
-  local fields = {'status', status, 'actor', actor, 'updated', ts,
-    'hist', string.sub(rec.hist, 1, -2) .. ',["' .. status .. '","' .. actor .. '",' .. ts .. ']]'}
+  -- a record without a history (written by hand, or cut short) gets one, rather than the
+  -- script failing on it for good (the sweep would try it again every pass)
+  local item, hist = '["' .. status .. '","' .. actor .. '",' .. ts .. ']', rec.hist or '[]'
+  if string.sub(hist, 1, 1) ~= '[' or string.sub(hist, -1) ~= ']' then hist = '[]' end
+  hist = (hist == '[]') and ('[' .. item .. ']') or (string.sub(hist, 1, -2) .. ',' .. item .. ']')
+  local fields = {'status', status, 'actor', actor, 'updated', ts, 'hist', hist}
   local values = {agent = rec.agent}
   for i = 1, #extra, 2 do
     fields[#fields + 1] = extra[i]

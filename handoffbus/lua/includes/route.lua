@@ -4,7 +4,8 @@
     KEYS[1] route queue   <p>:{~r:<set id>}:route    (zset handoff id -> aged score, see route-4.lua)
     KEYS[2] route meta    <p>:{~r:<set id>}:rmeta    (hash handoff id -> "score|deadline|refused|deferred")
     KEYS[3] claims        <p>:{~r:<set id>}:rclaims  (zset handoff id -> claim expiry ms)
-    KEYS[4] sequence      <p>:{~r:<set id>}:rseq     (counter: FIFO order within one millisecond)
+    KEYS[4] sequence      <p>:{~r:<set id>}:rseq     (routing clock: the last tick issued, in
+                                                      1/1024 ms; FIFO order within a priority)
 
   refused is ",a,b," (agents that refused it: never offered to them again); deferred is
   ",a=<until ms>," (agents that asked to be retried after a time).

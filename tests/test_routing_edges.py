@@ -1,0 +1,250 @@
+"""Edges of routing and of the expiry sweep: a requester whose sweep fails does not hold up the
+others; a record without a history still expires; a routed handoff queued both in its set and
+in an agent's own queue is delivered once; entries an agent may not take hide no work behind
+them; FIFO within a priority holds however many requests fall in one millisecond; expired
+routed handoffs leave their set's queue."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anyio
+import pytest
+from redis.exceptions import RedisClusterException
+
+from handoffbus import HandoffBus, HandoffRequest, HandoffStatus
+from handoffbus.keys import GROUP
+from handoffbus.routing import set_id
+from handoffbus.workers import Accept, AgentState, Reject
+from handoffbus.workers.inbox import Inbox
+from handoffbus.workers.routes import SCAN, RouteFeed
+
+from .conftest import make_bus
+from .helpers import routed, serving
+from .test_routing import Specialist, outcomes
+
+pytestmark = pytest.mark.anyio
+S = HandoffStatus
+
+
+async def live(bus: HandoffBus, agent: str, consumer: str) -> None:
+    """Register a live worker of ``agent`` (capability x) without running one."""
+    info = json.dumps({"consumer": consumer, "state": "RUNNABLE", "load": 0, "limit": 4,
+                       "capabilities": ["x"], "started_ms": 0, "ttl_ms": 60000})
+    await bus.script("register", [bus.keys.workers(agent), bus.keys.worker_beat(agent, consumer)],
+                     [consumer, info, 60000])
+    await bus.redis.sadd(bus.keys.agents, agent)
+
+
+# ---------------------------------------------------------------------- the expiry sweep
+
+
+async def test_a_requester_whose_sweep_fails_does_not_stop_the_sweep_of_the_others(
+    real_backend: str, servers: dict
+) -> None:
+    """One requester's sweep script fails on every pass (its deadline index is not a sorted
+    set): requesters in later batches of the requester set are swept all the same."""
+    async with make_bus(real_backend, servers) as bus:
+        names = [f"rq{i:03d}" for i in range(300)]
+        await bus.redis.sadd(bus.keys.requesters, *names)
+        order = [m.decode() async for m in bus.redis.sscan_iter(bus.keys.requesters, count=500)]
+        bad, victim = order[0], order[250]  # the sweep goes in batches of 200: one in each
+        await bus.redis.set(bus.keys.deadlines(bad), "not a sorted set")
+        handle = await bus.client(victim).request_handoff(HandoffRequest(
+            from_agent=victim, to_agent="nobody-1", reason="r", timeout=0.2))
+        record = bus.keys.record(victim, handle.handoff_id.split("/")[1]).record
+        with anyio.fail_after(10):  # the handle is never awaited: only the sweep expires it
+            while await bus.redis.hget(record, "status") != b"EXPIRED":
+                await bus.sweeper.wait_pass()
+
+
+async def test_a_record_without_a_history_is_expired_by_the_sweep(real_backend: str, servers: dict) -> None:
+    async with make_bus(real_backend, servers) as bus:
+        keys = bus.keys.record("hand", "written")
+        await bus.redis.sadd(bus.keys.requesters, "hand")
+        await bus.redis.hset(keys.record, mapping={"status": "PENDING", "id": "hand/written"})
+        await bus.redis.zadd(keys.deadlines, {"written": 0})
+        with anyio.fail_after(10):
+            while await bus.redis.hget(keys.record, "status") != b"EXPIRED":
+                await bus.sweeper.wait_pass()
+        [[status, actor, _]] = json.loads(await bus.redis.hget(keys.record, "hist"))
+        assert (status, actor) == ("EXPIRED", "bus")
+        assert await bus.redis.zcard(keys.deadlines) == 0
+
+
+async def test_a_cluster_error_when_the_lease_is_handed_over_does_not_fail_the_close(
+    real_backend: str, servers: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with make_bus(real_backend, servers) as bus:
+        await bus.sweeper.wait_pass()
+
+        async def unreachable() -> None:
+            raise RedisClusterException("no node for the lease's slot")
+
+        monkeypatch.setattr(bus.sweeper, "release_lease", unreachable)
+    # closed without raising
+
+
+async def test_expired_routed_handoffs_leave_their_sets_queue(real_backend: str, servers: dict) -> None:
+    """A capability set nobody serves keeps no entries of handoffs the sweep made EXPIRED."""
+    async with make_bus(real_backend, servers) as bus:
+        client = bus.client("req")
+        handles = [await client.request_handoff(routed(["typo-capability"], timeout=0.2)) for _ in range(20)]
+        route = bus.keys.route(set_id("typo-capability"))
+        assert await bus.redis.zcard(route.queue) == 20
+        with anyio.fail_after(10):  # the handles are not awaited: the sweep expires them
+            while await bus.redis.zcard(route.queue) or await bus.redis.hlen(route.meta):
+                await bus.sweeper.wait_pass()
+        for handle in handles:
+            assert (await handle.status()).status is S.EXPIRED
+
+
+# ---------------------------------------------------------------------- delivered once
+
+
+async def test_a_handoff_pulled_while_also_in_the_agents_queue_is_delivered_once(
+    real_backend: str, servers: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redirected to spec-r by a slow refuser while the routing guard had also queued it in its
+    set: one worker of spec-r pulls it from the set, another takes it from spec-r's queue."""
+    async with make_bus(real_backend, servers, route_guard=0.1) as bus:
+        for agent, consumer in [("spec-a", "a1"), ("spec-r", "r1"), ("spec-r", "r2")]:
+            await live(bus, agent, consumer)
+        handle = await bus.client("req").request_handoff(routed(["x"], timeout=60))
+        hid = handle.handoff_id
+        feed_a = RouteFeed(bus, "spec-a", ["x"], "a1")
+        await feed_a.refresh()
+        assert [d.handoff_id for d in await feed_a.pull(1)] == [hid]
+        queue, reroute = bus.keys.route(set_id("x")).queue, bus.router.reroute
+
+        async def slow_refuser(items: Any) -> Any:  # sends the redirect on after the guard routed it
+            if any(item.redirect for item in items):
+                with anyio.fail_after(10):
+                    while await bus.redis.zscore(queue, hid) is None:
+                        await bus.sweeper.wait_pass()
+            return await reroute(items)
+
+        monkeypatch.setattr(bus.router, "reroute", slow_refuser)
+        await bus.client("spec-a").reject_handoff(hid, "ask R", code="REDIRECT", redirect_to="spec-r")
+        assert await bus.redis.zscore(bus.keys.target("spec-r").queue, hid) is not None
+        feed_r2 = RouteFeed(bus, "spec-r", ["x"], "r2")
+        await feed_r2.refresh()
+        pulled = await feed_r2.pull(1)
+        _, taken = await Inbox(bus, "spec-r", "r1").take(1)
+        assert [d.handoff_id for d in pulled + taken] == [hid]
+        pending = await bus.redis.xpending_range(bus.keys.target("spec-r").inbox, GROUP, "-", "+", 10)
+        assert [p["consumer"] for p in pending] == [b"r2"]
+
+
+async def test_admit_takes_the_handoff_out_of_the_agents_queue(real_bus: HandoffBus) -> None:
+    bus = real_bus
+    keys = bus.keys.target("spec-r").as_list()
+    assert await bus.script("enqueue", keys, ["req/1", 0, 0]) == 1
+    [hid, _] = await bus.script("admit", keys, [GROUP, "r2", "req/1"])
+    assert hid == b"req/1"
+    assert await bus.redis.zscore(bus.keys.target("spec-r").queue, "req/1") is None
+
+
+async def test_take_does_not_deliver_a_queued_handoff_already_in_flight(real_bus: HandoffBus) -> None:
+    """A queue entry for a handoff in flight (left by an earlier version's admit) is dropped,
+    and the take fills its place from the rest of the queue."""
+    bus = real_bus
+    target = bus.keys.target("spec-r")
+    await bus.script("admit", target.as_list(), [GROUP, "r2", "req/1"])
+    await bus.redis.zadd(target.queue, {"req/1": 0})  # as an enqueue racing an older admit left it
+    assert await bus.script("enqueue", target.as_list(), ["req/2", 5, 0]) == 1
+    _, taken = await Inbox(bus, "spec-r", "r1").take(1)
+    assert [d.handoff_id for d in taken] == ["req/2"]
+    assert await bus.redis.zcard(target.queue) == 0
+    assert await bus.redis.xlen(target.inbox) == 2  # req/1 once (r2's), req/2
+
+
+# ---------------------------------------------------------------------- head of line
+
+
+async def route_entries(bus: HandoffBus, ids: list[str], refused: str) -> None:
+    config = bus.config
+    replies = await bus.scripts_many([
+        ("route", bus.keys.route(set_id("x")).as_list(),
+         [hid, 0, "+60000", refused, ",", int(config.route_age_step * 1000), 0]) for hid in ids
+    ])
+    assert replies == [1] * len(ids)
+
+
+async def pull(bus: HandoffBus, agent: str, count: int) -> list[bytes]:
+    reply = await bus.script("pull", bus.keys.route(set_id("x")).as_list(), [agent, count, 10_000, SCAN])
+    return list(reply[2:])
+
+
+async def test_a_pull_reads_past_entries_the_agent_may_not_take(real_bus: HandoffBus) -> None:
+    bus = real_bus
+    await route_entries(bus, [f"req/hard{i}" for i in range(3 * SCAN)], ",picky-a,")
+    await route_entries(bus, ["req/easy"], ",")
+    assert await pull(bus, "picky-a", 2) == [b"req/easy"]
+    assert await bus.redis.zcard(bus.keys.route(set_id("x")).queue) == 3 * SCAN  # the others stay
+
+
+async def test_a_pull_reads_a_bounded_part_of_the_queue(real_bus: HandoffBus) -> None:
+    """Sixteen windows at most: what lies further back waits for the entries ahead of it to go."""
+    bus = real_bus
+    await route_entries(bus, [f"req/hard{i}" for i in range(16 * SCAN)], ",picky-a,")
+    await route_entries(bus, ["req/easy"], ",")
+    assert await pull(bus, "picky-a", 1) == []
+    assert await pull(bus, "other-1", 1) == [b"req/hard0"]
+    assert await pull(bus, "picky-a", 1) == [b"req/easy"]
+
+
+async def test_an_idle_agent_gets_routed_work_queued_behind_what_it_refused(
+    real_backend: str, servers: dict
+) -> None:
+    """picky-a refuses the first 64 handoffs, which then wait for slow-b (live, capable, busy);
+    a handoff picky-a would take, routed behind them, still reaches it."""
+    n_hard = SCAN
+
+    class Picky(Specialist):
+        def __init__(self, agent_id: str) -> None:
+            super().__init__(agent_id, ["x"])
+            self.refused_all = anyio.Event()
+
+        async def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+            self.seen.append(request.reason)
+            if self.seen.count("hard") == n_hard:
+                self.refused_all.set()
+            return Reject(reason="not mine", code="NOT_MINE") if request.reason == "hard" else Accept()
+
+    async with make_bus(real_backend, servers) as bus:
+        picky, slow = Picky("picky-a"), Specialist("slow-b", ["x"])
+        slow.state = AgentState.BUSY  # pulls nothing: the hard ones wait for it
+        client = bus.client("req")
+        async with serving(bus, picky, slow):
+            hard = [await client.request_handoff(routed(["x"], reason="hard", timeout=60)) for _ in range(n_hard)]
+            queue = bus.keys.route(set_id("x")).queue
+            with anyio.fail_after(10):
+                await picky.refused_all.wait()
+                while await bus.redis.zcard(queue) < n_hard:  # the last refusals are sent on
+                    await bus.sweeper.wait_pass()
+            easy = await client.request_handoff(routed(["x"], reason="easy", timeout=5))
+            [outcome] = await outcomes([easy], limit=10)
+            for handle in hard:
+                await client.cancel_handoff(handle.handoff_id)
+    assert outcome.status is S.COMPLETED and outcome.result == {"by": "picky-a"}
+
+
+# ---------------------------------------------------------------------- FIFO order
+
+
+async def test_fifo_within_a_priority_holds_past_1024_routes_in_a_millisecond(real_bus: HandoffBus) -> None:
+    """The set's counter stands where 1020 routes in this millisecond would leave it; eight more
+    in one pipeline (one millisecond, mostly) are queued in the order they were routed."""
+    bus = real_bus
+    route = bus.keys.route(set_id("x"))
+    step = int(bus.config.route_age_step * 1000)
+    for _ in range(20):  # each round most likely runs within one millisecond
+        await bus.redis.delete(route.queue, route.meta)
+        now = await bus.server_time_ms()
+        await bus.redis.set(route.seq, now * 1024 + 1020)
+        ids = [f"req/r{i}" for i in range(8)]
+        await bus.scripts_many([("route", route.as_list(), [hid, 3, "+60000", ",", ",", step, 0]) for hid in ids])
+        queued = [m.decode() for m in await bus.redis.zrange(route.queue, 0, -1)]
+        assert queued == ids
