@@ -270,6 +270,8 @@ class HandoffClient:
             if code == 0 and len(reply) > 6 and int(reply[5]) == 1:  # this resubmission expired it
                 if reply[6]:  # its target (none for a routed handoff never offered): settled and counted
                     await bus.settle_expired({reply[6].decode(): [handoff_id]})
+                elif not request.to_agent and bus.isolated is None:  # waiting in its set's queue, for no one
+                    await bus.unroute_expired(caps, handoff_id)
             elif status in TERMINAL and request.to_agent:
                 await bus.settle(request.to_agent, [handoff_id])
             if status is not HandoffStatus.PENDING or late:
