@@ -18,6 +18,7 @@ from . import errors, tracing
 from .config import MAX_PRIORITY
 from .errors import QUEUE_FULL, EncodeError, InvalidRequest, NotPermitted, raise_for_code
 from .handle import HandoffHandle
+from .keys import GROUP, RESTORED
 from .models import (
     TERMINAL,
     AgentInfo,
@@ -486,7 +487,10 @@ class HandoffClient:
         """Queue a dead-lettered handoff for ``agent_id`` again and drop the dead letter.
 
         Returns False (dropping the dead letter) when the handoff has ended or is gone meanwhile;
-        a worker carries on from the recorded state (an ACCEPTED one is taken over, attempt + 1).
+        a worker carries on from the recorded state. An ACCEPTED one is not queued (a worker
+        takes no accepted work from the queue): its new inbox entry waits, as a restored one
+        does, for a live worker of the agent to take it over once idle (``reclaim_idle``),
+        attempt + 1.
         """
         agent, bus = check_name(agent_id, "agent id"), self._bus
         if (not isinstance(entry_id, str) or not re.fullmatch(r"\d{1,20}-\d{1,20}", entry_id)
@@ -499,7 +503,9 @@ class HandoffClient:
         handoff_id = found[0][1][b"h"].decode()
         record = await self.get_handoff_status(handoff_id)
         live = record is not None and not record.terminal
-        if live and record is not None:
+        if live and record is not None and record.status is HandoffStatus.ACCEPTED:
+            await bus.script("admit", bus.keys.target(agent).as_list(), [GROUP, RESTORED, handoff_id])
+        elif live and record is not None:
             await bus.enqueue(agent, handoff_id, record.request.priority)
         await bus.redis.xdel(key, entry_id)  # after re-queueing: a crash between repeats, never loses
         return live

@@ -21,6 +21,9 @@ __all__ = ["DEFAULT_PREFIX", "GROUP", "Keys", "RecordKeys", "RouteKeys", "Target
 DEFAULT_PREFIX = "hb"
 #: The consumer group every worker of an agent joins on that agent's inbox stream.
 GROUP = "workers"
+#: the consumer that holds re-issued inbox entries until a live worker claims them once idle
+#: (lua/includes/holder.lua's RESTORED)
+RESTORED = "_restored"
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,31 @@ async def test_an_entry_delivered_too_often_is_dead_lettered_then_replayed(bus: 
         await client.replay_dead_letter("echo-1", dead.entry_id)
 
 
+async def test_an_accepted_handoff_dead_lettered_then_replayed_is_taken_over(bus: HandoffBus) -> None:
+    """A handoff accepted by a worker whose handling kept stopping workers: replayed, it is not
+    queued (a worker takes no accepted work from the queue) but re-issued to the agent's inbox,
+    where a live worker takes it over once idle and finishes it."""
+    client = bus.client("req")
+    handle = await client.request_handoff(req("req", "echo-1", reason="accepted, then crashy"))
+    ghost = Inbox(bus, "echo-1", "ghost")
+    _, [taken] = await ghost.take(1)
+    await bus.client("echo-1")._transition("accept", handle.handoff_id, {"lease": "ghost"}, settle=False)
+    await ghost.dead_letter(taken, "delivered 8 times; its handling kept stopping workers", 8)
+    [dead] = await client.get_dead_letters("echo-1")
+    assert await client.replay_dead_letter("echo-1", dead.entry_id) is True
+    assert await bus.redis.zcard(bus.keys.target("echo-1").queue) == 0  # not queued
+    echo = Echo()
+    async with anyio.create_task_group() as tg:
+        worker = Worker(bus, echo, reclaim_idle=0.2)
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            outcome = await handle.outcome()
+        worker.drain()
+    assert outcome.status is HandoffStatus.COMPLETED and echo.order == [handle.handoff_id]
+    record = await client.get_handoff_status(handle.handoff_id)
+    assert record is not None and record.attempt == 2  # taken over
+
+
 async def _burst_latencies(bus: HandoffBus, n: int, tag: str) -> list[float]:
     """Request ``n`` handoffs at once; each one's time from request to outcome (seconds)."""
     client = bus.client("req")
