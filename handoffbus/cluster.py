@@ -32,7 +32,6 @@ from redis.exceptions import (
     MovedError,
     RedisClusterException,
     RedisError,
-    SlotNotCoveredError,
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -336,18 +335,13 @@ def unreachable(exc: Exception) -> Exception:
 
 
 class ClusterClient(RedisCluster):
-    """The cluster client the bus makes: redis-py's, with its own errors for a cluster it cannot
-    reach (every node down, a slot no node serves) raised as the ConnectionError every loop
-    backs off on. As RedisClusterException, which is no RedisError, they ended the loops."""
+    """The cluster client the bus makes: redis-py's, with its own error for a cluster it cannot
+    reach (no node answers its topology query, or its slots are not all covered) raised as the
+    ConnectionError every loop backs off on. As RedisClusterException, which is no RedisError,
+    it ended the loops."""
 
     async def initialize(self, *args: Any, **kwargs: Any) -> RedisCluster:
         try:
             return await super().initialize(*args, **kwargs)
         except RedisClusterException as exc:
-            raise unreachable(exc) from exc
-
-    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await super().execute_command(*args, **kwargs)
-        except SlotNotCoveredError as exc:
             raise unreachable(exc) from exc
