@@ -152,29 +152,53 @@ class ScriptBatcher:
         return await line.exchange(batch)
 
     async def _send(self, batch: list[ScriptCall], line: Line | None) -> None:
+        failure: Exception | None = None
+        try:
+            replies = await self._execute(batch, line)
+        except Exception as exc:  # the connection failed: the calls it left unanswered hear it
+            replies, failure = getattr(exc, "replies_read", []), exc
+        else:
+            if not any(map(no_script, replies)):  # the usual case: every call answered
+                for call, reply in zip(batch, replies, strict=True):
+                    if isinstance(reply, Exception):
+                        call.finish(error=reply)
+                    else:
+                        call.finish(result=reply)
+                return
+        await self._recover(batch, line, replies, failure)
+
+    async def _recover(
+        self, batch: list[ScriptCall], line: Line | None, first: list[Any], failure: Exception | None
+    ) -> None:
+        """Finish a batch some of whose calls met NOSCRIPT or went unanswered: those are sent
+        again after a reload, but not those of a group in which a later call ran already (sent
+        again, they would run out of order): they fail with ScriptsFlushed, and the rest of
+        their group keep their replies."""
         answers: dict[int, Any] = {}  # id(call) -> its latest reply
         broken: set[Group] = set()
-        failure: Exception | None = None
+        _answered(batch, first, answers, broken)
         sending = batch
         try:
-            for rounds in range(NOSCRIPT_ROUNDS + 1):  # the cache may be flushed again between load and retry
-                _answered(sending, await self._execute(sending, line), answers, broken)
-                lost = [c for c in sending if no_script(answers[id(c)])]
-                if not lost or rounds == NOSCRIPT_ROUNDS:
+            for _ in range(NOSCRIPT_ROUNDS):  # the cache may be flushed again between load and retry
+                if failure is not None:
+                    break
+                lost = [c for c in sending if no_script(answers.get(id(c)))]
+                if not lost:
                     break
                 await self._reload([call.script for call in lost])
                 sending = [c for c in lost if c.group not in broken]  # a broken group is not sent again
                 if not sending:
                     break
-        except Exception as exc:  # the connection failed: the calls it left unanswered hear it
+                _answered(sending, await self._execute(sending, line), answers, broken)
+        except Exception as exc:
             _answered(sending, getattr(exc, "replies_read", []), answers, broken)  # these ran
             failure = exc
         for call in batch:
             reply = answers.get(id(call), _UNANSWERED)
-            if call.group in broken:
+            if no_script(reply) and call.group in broken:
                 call.finish(error=ScriptsFlushed(
                     "the server lost its scripts while these calls were on their way, and a later one ran "
-                    "before an earlier one could; not sent again, they may be tried again"))
+                    "before this one could; not sent again, it may be tried again"))
             elif failure is not None and (reply is _UNANSWERED or no_script(reply)):
                 call.finish(error=failure)
             elif isinstance(reply, Exception):

@@ -11,10 +11,14 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import msgspec
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import errors, tracing
+from .backoff import Backoff
 from .config import MAX_PRIORITY
 from .errors import QUEUE_FULL, EncodeError, InvalidRequest, NotPermitted, raise_for_code
 from .handle import HandoffHandle
@@ -31,7 +35,7 @@ from .models import (
 )
 from .names import check_name, check_names, join_handoff_id, split_handoff_id
 from .records import response_from_reply
-from .routing import Directory, capability_set, refusal_response, set_id
+from .routing import Call, Directory, capability_set, refusal_response, set_id
 from .scripts import STAGE_OVER, STAGED_TTL_MS
 from .signing import response_body
 from .waiters import ResponseReader, Waiter
@@ -85,6 +89,16 @@ log = logging.getLogger("handoffbus")
 MIN_TIMEOUT = 0.001
 #: the largest part of a stream entry id ("<ms>-<seq>", each an unsigned 64-bit number)
 MAX_STREAM_ID_PART = 2**64 - 1
+
+#: how often the calls that follow a new record are sent again when their replies were lost
+FOLLOW_TRIES = 4
+
+
+def _unanswered(reply: Any) -> bool:
+    """Whether a call's reply was lost with its connection (a refusal is an answer)."""
+    return isinstance(reply, RedisConnectionError | RedisTimeoutError | OSError) and not isinstance(
+        reply, PermissionError)
+
 
 #: the status each signed transition writes
 SIGNED_STATUS = {"accept": "ACCEPTED", "reject": "REJECTED", "complete": "COMPLETED", "fail": "FAILED",
@@ -232,6 +246,11 @@ class HandoffClient:
                 # crash between them leaves a PENDING record that expires at its deadline
                 replies = await bus.scripts_many([*record_calls, *follow])
                 reply, followed = replies[len(record_calls) - 1], replies[len(record_calls):]
+                if not isinstance(reply, BaseException) and int(reply[0]) == 1 and any(map(_unanswered, followed)):
+                    # the record stands, its queue entry's reply was lost with the connection: sent
+                    # again (enqueue and route are idempotent), not a failed request that a caller
+                    # would retry into a second handoff
+                    followed = await self._follow_again(follow, followed)
             for failed in replies[:len(record_calls)]:
                 if isinstance(failed, BaseException):
                     raise failed
@@ -281,6 +300,18 @@ class HandoffClient:
         except BaseException:
             reader.release(waiter)  # no handle came of this call (it failed, or was cancelled)
             raise
+
+    async def _follow_again(self, follow: list[Call], followed: list[Any]) -> list[Any]:
+        """The calls that follow a new record, sent again with backoff while their replies are
+        lost with the connection (a few tries: then the record stands alone, to expire at its
+        deadline, and the caller hears the error)."""
+        backoff = Backoff()
+        for _ in range(FOLLOW_TRIES):
+            await anyio.sleep(backoff.delay())
+            followed = await self._bus.scripts_many(follow)
+            if not any(map(_unanswered, followed)):
+                break
+        return followed
 
     async def _route_calls(
         self, handoff_id: str, caps: str, request: HandoffRequest, fail_fast: bool

@@ -14,6 +14,7 @@ from redis._parsers.encoders import Encoder
 from redis.connection import PythonRespSerializer
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
 
 from handoffbus import HandoffBus, HandoffHandle, HandoffStatus, ScriptsFlushed
 from handoffbus.scripts import SCRIPT_NAMES, Scripts, _files, key_count, script_source
@@ -105,25 +106,54 @@ async def test_a_flushed_script_cache_costs_no_failed_call(real_bus: HandoffBus)
             assert (await handle.outcome()).result == "ok"
 
 
+def _first_script_lost(monkeypatch: pytest.MonkeyPatch, bus: HandoffBus, names: list[str]) -> list[str]:
+    """The first batch of calls to ``names``: its first call meets NOSCRIPT and the others run,
+    as when the server read the pipeline in two parts and another client loaded the scripts
+    it had lost between them. Returns a list that records that it happened."""
+    batcher = bus._batcher
+    assert batcher is not None
+    execute, hit = batcher._execute, []
+
+    async def split(batch: list[ScriptCall], line: Line | None) -> list[Any]:
+        if [call.script.name for call in batch] == names and not hit:
+            hit.append(names[0])
+            return [NoScriptError("NOSCRIPT No matching script."), *await execute(batch[1:], line)]
+        return await execute(batch, line)
+
+    monkeypatch.setattr(batcher, "_execute", split)
+    return hit
+
+
 async def test_a_record_whose_script_was_lost_after_its_queue_entry_ran_is_not_sent_again(
-    real_bus: HandoffBus,
+    real_bus: HandoffBus, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The server read a request's pipeline in two parts and, between them, another client
-    loaded the scripts it had lost: the queue entry ran, the record met NOSCRIPT. Sent again,
-    the record would come after its queue entry, which a worker may have taken and dropped
-    meanwhile for having no record: a handoff never delivered. The request fails instead, and
-    nothing of it is left to run."""
+    """The queue entry ran, the record met NOSCRIPT. Sent again, the record would come after
+    its queue entry, which a worker may have taken and dropped meanwhile for having no record:
+    a handoff never delivered. The request fails instead, and nothing of it is left to run."""
     client = real_bus.client("a")
-    first = await client.request_handoff(req("a", "b"))  # "b" registered as a target: its SADD is behind us
+    first = await client.request_handoff(req("a", "b"))  # "b" registered as a target: one batch per request
     records = await real_bus.redis.keys(real_bus.keys.record("a", "*").record)
-    await real_bus.redis.script_flush()
-    await real_bus.redis.script_load(real_bus.scripts.enqueue.source)  # the later call's script only
+    lost = _first_script_lost(monkeypatch, real_bus, ["request", "enqueue"])
     with pytest.raises(ScriptsFlushed):
         await client.request_handoff(req("a", "b"))
-    assert await real_bus.redis.keys(real_bus.keys.record("a", "*").record) == records  # no record was made
-    later = await client.request_handoff(req("a", "b"))  # the scripts were loaded again meanwhile
+    assert lost and await real_bus.redis.keys(real_bus.keys.record("a", "*").record) == records  # none made
+    later = await client.request_handoff(req("a", "b"))
     pending = await real_bus.client("b").get_pending_handoffs()
     assert [p.handoff_id for p in pending] == [first.handoff_id, later.handoff_id]  # the lone entry lists nothing
+
+
+async def test_calls_that_ran_beside_one_whose_script_was_lost_keep_their_replies(
+    real_bus: HandoffBus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In such a step only the call that met NOSCRIPT fails; a call that ran keeps its reply:
+    it changed state (a sweep's expiries, a counter), and failing it would hide that."""
+    stats = real_bus.keys.stats("a")
+    lost = _first_script_lost(monkeypatch, real_bus, ["status", "count"])
+    status, count = await real_bus.scripts_many([
+        ("status", real_bus.keys.record("a", "nothing").as_list(), ["nothing", 1000, 1000]),
+        ("count", [stats], ["requested", 1])])
+    assert lost and isinstance(status, ScriptsFlushed) and count == 1
+    assert await real_bus.redis.hget(stats, "requested") == b"1"  # ran once, not again
 
 
 async def test_script_calls_go_on_after_the_server_dropped_every_connection(real_bus: HandoffBus) -> None:
@@ -305,3 +335,32 @@ async def test_a_failed_round_trip_says_which_replies_it_read() -> None:
     with pytest.raises(RedisConnectionError) as failed:
         await _round_trip(conn, b"", 3)
     assert failed.value.replies_read == [b"one", b"two"] and conn.disconnected  # type: ignore[attr-defined]
+
+
+async def test_a_request_whose_queue_entrys_reply_was_lost_is_not_failed(
+    real_bus: HandoffBus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connection fails after the record's reply was read, before its queue entry's: the
+    handoff stands, so the entry is sent again (enqueue is idempotent) and the request
+    returns; told the connection failed, a caller would retry into a second handoff."""
+    client = real_bus.client("a")
+    await client.request_handoff(req("a", "b"))  # "b" registered as a target: one batch per request
+    batcher = real_bus._batcher
+    assert batcher is not None
+    execute = batcher._execute
+    cut: list[int] = []
+
+    async def fails_midway(batch: list[ScriptCall], line: Line | None) -> list[Any]:
+        replies = await execute(batch, line)  # both calls ran
+        if [call.script.name for call in batch] == ["request", "enqueue"] and not cut:
+            cut.append(len(batch))
+            exc = RedisConnectionError("Connection reset by peer")
+            exc.replies_read = replies[:1]  # type: ignore[attr-defined]  # the record's only
+            raise exc
+        return replies
+
+    monkeypatch.setattr(batcher, "_execute", fails_midway)
+    handle = await client.request_handoff(req("a", "b", reason="once"))
+    assert cut == [2]
+    queued = await real_bus.client("b").get_pending_handoffs()
+    assert [p.request.reason for p in queued] == ["test", "once"] and queued[1].handoff_id == handle.handoff_id

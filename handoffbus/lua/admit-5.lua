@@ -1,6 +1,8 @@
 --[[
   admit: a worker puts routed handoffs it pulled and was assigned into its agent's inbox,
-  delivered to itself, exactly as `take` does for handoffs from the agent's own queue.
+  delivered to itself, exactly as `take` does for handoffs from the agent's own queue. Also
+  how a replayed ACCEPTED dead letter is re-issued: delivered to RESTORED, for a live worker
+  to take over once idle (client.replay_dead_letter).
   Idempotent: a handoff already in flight here, or named twice, is admitted once. A named
   handoff also queued in KEYS[1] (redirected here by a refusal while its set's queue held it
   too) leaves that queue, so that `take` does not deliver it a second time.
