@@ -37,7 +37,7 @@ from redis.exceptions import RedisError, ResponseError
 from .backoff import Backoff
 from .config import MAX_PRIORITY
 from .errors import CallRefused, ForwarderUnavailable, HandoffbusError, InvalidName
-from .models import WorkerInfo
+from .models import HandoffRequest, WorkerInfo
 from .names import check_name, check_names, split_handoff_id
 from .records import text
 from .routing import Directory, Reroute, granted, serves, set_id
@@ -355,10 +355,16 @@ class Forwarder:
                 requester, request_id = split_handoff_id(_handoff_of_record_key(bus, keys[1:2], envelope=False))
                 if not keys[0].startswith(f"{bus.keys.slot(requester)}blob:"):
                     return f"blob read of {keys[0]!r}, which is not {requester!r}'s out-of-band content"
-                to = await bus.redis.hget(keys[1], "to")
-                if sender in (requester, text(to or b"")):
-                    return None
-                return f"blob read for {requester}/{request_id}, which is not addressed to or sent by {sender!r}"
+                to, status, inline = await bus.redis.hmget(keys[1], ["to", "status", "env"])
+                if sender not in (requester, text(to or b"")):
+                    return f"blob read for {requester}/{request_id}, which is not addressed to or sent by {sender!r}"
+                if status not in (b"PENDING", b"ACCEPTED"):
+                    return f"blob read for {requester}/{request_id}, which is {text(status or b'gone')}"
+                envelope = inline or await bus.redis.get(bus.keys.record(requester, request_id).envelope)
+                snapshot = bus.codec.loads(envelope or b"", HandoffRequest).context_snapshot or b""
+                if keys[0].encode() not in snapshot:  # a blob is named by its content's digest: no guessing
+                    return f"blob read of {keys[0]!r}, which {requester}/{request_id}'s context does not refer to"
+                return None
             if name in ("enqueue", "route") and not _priority(args[1]):
                 return f"{name} with a priority that is not an int in [-{MAX_PRIORITY}, {MAX_PRIORITY}]"
             if name == "route" and not re.fullmatch(r"\+\d{1,15}", text(args[2])):

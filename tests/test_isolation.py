@@ -527,7 +527,7 @@ async def test_an_isolated_worker_reads_the_out_of_band_content_of_its_handoffs_
 ) -> None:
     """A context's large content lives in its requester's slot, which an isolated target may
     not read: its reads go through the forwarder, which lets a handoff's target and requester
-    read that handoff's requester's blobs, and no one else."""
+    read the blobs its context refers to while it is undecided or accepted, and no one else."""
     seen: list[Any] = []
 
     class Reads(Echo):
@@ -549,6 +549,12 @@ async def test_an_isolated_worker_reads_the_out_of_band_content_of_its_handoffs_
                 outcome = await handle.outcome()
             worker.drain()
         assert outcome.status is HandoffStatus.COMPLETED and seen == [report]
-        # mallory, neither its target nor its requester, is refused the same read
-        with pytest.raises(CallRefused):
+        with pytest.raises(CallRefused, match="which is COMPLETED"):  # finished: read no more
+            await restore(setup.buses["echo-1"], offloaded, handle.handoff_id)
+        # mallory, neither its target nor its requester, is refused the same read; and through a
+        # handoff of its own from the same requester, whose context does not refer to that blob
+        with pytest.raises(CallRefused, match="not addressed to or sent by"):
             await restore(setup.buses["mallory"], offloaded, handle.handoff_id)
+        other = await req_bus.client("req").request_handoff(req("req", "mallory"))
+        with pytest.raises(CallRefused, match="does not refer to"):
+            await restore(setup.buses["mallory"], offloaded, other.handoff_id)
