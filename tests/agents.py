@@ -227,3 +227,17 @@ class BlockingSync(Agent):
         print(f"working on {handoff.handoff_id}", flush=True)
         self.release.wait()
         return "done"
+
+
+class ReadsReport(Echo):
+    """Keeps what its handoffs' contexts hold under tool_state["report"] (out-of-band content,
+    restored before the work hook runs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[Any] = []
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        assert handoff.context is not None
+        self.seen.append(handoff.context.tool_state["report"])
+        return "read"

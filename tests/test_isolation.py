@@ -40,9 +40,9 @@ from handoffbus.routing import set_id
 from handoffbus.workers import Accept, Agent, ReceivedHandoff, Reject
 from handoffbus.workers.routes import RouteFeed
 
-from .agents import Echo
+from .agents import Echo, ReadsReport
 from .conftest import new_prefix
-from .helpers import LARGE, ROOT, req, response_statuses
+from .helpers import LARGE, ROOT, req, response_statuses, serve_until_done
 
 pytestmark = pytest.mark.anyio
 AGENTS = ("req", "echo-1", "mallory")
@@ -528,27 +528,15 @@ async def test_an_isolated_worker_reads_the_out_of_band_content_of_its_handoffs_
     """A context's large content lives in its requester's slot, which an isolated target may
     not read: its reads go through the forwarder, which lets a handoff's target and requester
     read the blobs its context refers to while it is undecided or accepted, and no one else."""
-    seen: list[Any] = []
-
-    class Reads(Echo):
-        async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
-            assert handoff.context is not None
-            seen.append(handoff.context.tool_state["report"])
-            return "read"
-
     async with isolated(real_backend, servers) as setup:
         req_bus = setup.buses["req"]
         report = "A" * 70_000
         offloaded = await offload(req_bus, "req", HandoffContext(tool_state={"report": report}), threshold=65_536)
         handle = await req_bus.client("req").request_handoff(
             req("req", "echo-1", context_snapshot=serialize_context(offloaded)))
-        async with anyio.create_task_group() as tg:
-            worker = Worker(setup.buses["echo-1"], Reads())
-            await tg.start(worker.run)
-            with anyio.fail_after(10):
-                outcome = await handle.outcome()
-            worker.drain()
-        assert outcome.status is HandoffStatus.COMPLETED and seen == [report]
+        reads = ReadsReport()
+        [outcome], _ = await serve_until_done(setup.buses["echo-1"], reads, [handle])
+        assert outcome.status is HandoffStatus.COMPLETED and reads.seen == [report]
         with pytest.raises(CallRefused, match="which is COMPLETED"):  # finished: read no more
             await restore(setup.buses["echo-1"], offloaded, handle.handoff_id)
         # mallory, neither its target nor its requester, is refused the same read; and through a

@@ -106,13 +106,35 @@ async def test_a_flushed_script_cache_costs_no_failed_call(real_bus: HandoffBus)
             assert (await handle.outcome()).result == "ok"
 
 
+def _connection_fails_midway(
+    monkeypatch: pytest.MonkeyPatch, bus: HandoffBus, names: list[str], read: int
+) -> list[str]:
+    """The first batch of calls to ``names`` runs whole, then its connection fails with only
+    the first ``read`` replies read. Returns a list that records that it happened."""
+    batcher = bus._batcher
+    assert batcher is not None
+    execute, hit = batcher._execute, list[str]()
+
+    async def fails_midway(batch: list[ScriptCall], line: Line | None) -> list[Any]:
+        replies = await execute(batch, line)  # every call ran
+        if [call.script.name for call in batch] == names and not hit:
+            hit.append(names[0])
+            exc = RedisConnectionError("Connection reset by peer")
+            exc.replies_read = replies[:read]  # type: ignore[attr-defined]  # what came back before it
+            raise exc
+        return replies
+
+    monkeypatch.setattr(batcher, "_execute", fails_midway)
+    return hit
+
+
 def _first_script_lost(monkeypatch: pytest.MonkeyPatch, bus: HandoffBus, names: list[str]) -> list[str]:
     """The first batch of calls to ``names``: its first call meets NOSCRIPT and the others run,
     as when the server read the pipeline in two parts and another client loaded the scripts
     it had lost between them. Returns a list that records that it happened."""
     batcher = bus._batcher
     assert batcher is not None
-    execute, hit = batcher._execute, []
+    execute, hit = batcher._execute, list[str]()
 
     async def split(batch: list[ScriptCall], line: Line | None) -> list[Any]:
         if [call.script.name for call in batch] == names and not hit:
@@ -283,21 +305,7 @@ async def test_replies_read_before_the_connection_failed_reach_their_callers(
     would retry and have the work done twice); only the second hears the failure."""
     client = real_bus.client("a")
     await client.request_handoff(req("a", "b"))  # "b" registered as a target: both go in one batch
-    batcher = real_bus._batcher
-    assert batcher is not None
-    execute = batcher._execute
-    cut: list[int] = []
-
-    async def fails_midway(batch: list[ScriptCall], line: Line | None) -> list[Any]:
-        replies = await execute(batch, line)  # every call ran
-        if len(batch) == 4 and not cut:  # two records and their queue entries
-            cut.append(len(batch))
-            exc = RedisConnectionError("Connection reset by peer")
-            exc.replies_read = replies[:2]  # type: ignore[attr-defined]  # what came back before it
-            raise exc
-        return replies
-
-    monkeypatch.setattr(batcher, "_execute", fails_midway)
+    cut = _connection_fails_midway(monkeypatch, real_bus, ["request", "enqueue"] * 2, 2)  # two requests
     results: dict[str, Any] = {}
 
     async def ask(reason: str) -> None:
@@ -309,9 +317,10 @@ async def test_replies_read_before_the_connection_failed_reach_their_callers(
     async with anyio.create_task_group() as tg:
         tg.start_soon(ask, "first")
         tg.start_soon(ask, "second")
-    assert cut == [4]
+    assert cut
     assert isinstance(results["first"], HandoffHandle) and isinstance(results["second"], RedisConnectionError)
-    assert (await results["first"].status()).status is HandoffStatus.PENDING
+    record = await results["first"].status()
+    assert record is not None and record.status is HandoffStatus.PENDING
 
 
 async def test_a_failed_round_trip_says_which_replies_it_read() -> None:
@@ -345,22 +354,8 @@ async def test_a_request_whose_queue_entrys_reply_was_lost_is_not_failed(
     returns; told the connection failed, a caller would retry into a second handoff."""
     client = real_bus.client("a")
     await client.request_handoff(req("a", "b"))  # "b" registered as a target: one batch per request
-    batcher = real_bus._batcher
-    assert batcher is not None
-    execute = batcher._execute
-    cut: list[int] = []
-
-    async def fails_midway(batch: list[ScriptCall], line: Line | None) -> list[Any]:
-        replies = await execute(batch, line)  # both calls ran
-        if [call.script.name for call in batch] == ["request", "enqueue"] and not cut:
-            cut.append(len(batch))
-            exc = RedisConnectionError("Connection reset by peer")
-            exc.replies_read = replies[:1]  # type: ignore[attr-defined]  # the record's only
-            raise exc
-        return replies
-
-    monkeypatch.setattr(batcher, "_execute", fails_midway)
+    cut = _connection_fails_midway(monkeypatch, real_bus, ["request", "enqueue"], 1)  # the record's reply only
     handle = await client.request_handoff(req("a", "b", reason="once"))
-    assert cut == [2]
+    assert cut
     queued = await real_bus.client("b").get_pending_handoffs()
     assert [p.request.reason for p in queued] == ["test", "once"] and queued[1].handoff_id == handle.handoff_id

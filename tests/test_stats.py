@@ -121,9 +121,8 @@ async def test_an_idle_worker_settles_finished_handoffs_at_once(real_bus: Handof
     assert (view.queued, view.in_flight, view.oldest_in_flight_s) == (0, 0, None)
 
 
-async def test_an_expiry_is_counted_once_however_often_the_handoff_is_touched(bus: HandoffBus) -> None:
-    from handoffbus import HandoffExpired
-
+def _counts(bus: HandoffBus) -> list[tuple[str, str, int]]:
+    """What the bus counts from now on, as (agent, field, increment)."""
     counted: list[tuple[str, str, int]] = []
 
     class Listener:
@@ -134,6 +133,13 @@ async def test_an_expiry_is_counted_once_however_often_the_handoff_is_touched(bu
             pass
 
     bus.tally.listeners.append(Listener())
+    return counted
+
+
+async def test_an_expiry_is_counted_once_however_often_the_handoff_is_touched(bus: HandoffBus) -> None:
+    from handoffbus import HandoffExpired
+
+    counted = _counts(bus)
     alice, bob = bus.client("alice"), bus.client("bob")
     handle = await alice.request_handoff(req("alice", "bob", timeout=0.2))
     with anyio.fail_after(5):
@@ -148,16 +154,7 @@ async def test_an_expiry_is_counted_once_however_often_the_handoff_is_touched(bu
 async def test_an_expiry_made_by_a_resubmission_is_counted_and_settled(real_bus: HandoffBus) -> None:
     # the request script expires a resubmitted handoff whose deadline passed (its pending marker
     # gone): that expiry is counted for the target, and settled, as a status read's is
-    counted: list[tuple[str, str, int]] = []
-
-    class Listener:
-        def counted(self, agent: str, field: str, n: int) -> None:
-            counted.append((agent, field, n))
-
-        def timed(self, agent: str, kind: str, seconds: float) -> None:
-            pass
-
-    real_bus.tally.listeners.append(Listener())
+    counted = _counts(real_bus)
     alice = real_bus.client("alice")
     request = req("alice", "bob", request_id="again-1", timeout=600)  # far off: the sweep leaves it alone
     first = await alice.request_handoff(request)

@@ -27,8 +27,8 @@ from handoffbus.workers.inbox import Delivery, Inbox
 from handoffbus.workers.lanes import Lanes
 from handoffbus.workers.routes import RouteFeed
 
-from .agents import Echo
-from .helpers import req, routed
+from .agents import Echo, ReadsReport
+from .helpers import req, routed, serve_until_done
 
 pytestmark = pytest.mark.anyio
 
@@ -509,18 +509,10 @@ async def test_a_context_whose_blobs_could_not_be_read_for_a_moment_is_restored(
 ) -> None:
     """Restoring a context's out-of-band content met a lost connection: read again, not a
     failure of the work hook (with the default single attempt, that was FAILED)."""
-    seen: list[Any] = []
-
-    class Reads(Echo):
-        async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
-            assert handoff.context is not None
-            seen.append(handoff.context.tool_state["report"])
-            return "read"
-
     report = "A" * 70_000
     offloaded = await offload(real_bus, "a", HandoffContext(tool_state={"report": report}), threshold=65_536)
     handle = await real_bus.client("a").request_handoff(
-        req("a", Reads.agent_id, context_snapshot=serialize_context(offloaded)))
+        req("a", ReadsReport.agent_id, context_snapshot=serialize_context(offloaded)))
     failed: list[str] = []
 
     async def flaky(bus: HandoffBus, context: HandoffContext, handoff_id: str | None = None) -> HandoffContext:
@@ -530,14 +522,10 @@ async def test_a_context_whose_blobs_could_not_be_read_for_a_moment_is_restored(
         return await restore(bus, context, handoff_id)
 
     monkeypatch.setattr(runner, "restore", flaky)
-    worker = Worker(real_bus, Reads())
-    async with anyio.create_task_group() as tg:
-        await tg.start(worker.run)
-        with anyio.fail_after(10):
-            outcome = await handle.outcome()
-        worker.drain()
+    reads = ReadsReport()
+    [outcome], _ = await serve_until_done(real_bus, reads, [handle])
     assert failed and outcome.status is HandoffStatus.COMPLETED and outcome.result == "read"
-    assert seen == [report]
+    assert reads.seen == [report]
 
 
 @pytest.mark.parametrize("hook", ["acceptance", "work"])
