@@ -492,16 +492,17 @@ class HandoffBus:
             if fields.get(b"to"):
                 await self.settle_expired({fields[b"to"].decode(): [handoff_id]})
             elif fields.get(b"routed") == b"1" and self.isolated is None:  # (whose user cannot reach the set)
-                await self.unroute_expired(fields.get(b"caps", b"").decode(), handoff_id)
+                await self.unroute_ended(fields.get(b"caps", b"").decode(), handoff_id)
         return int(reply[0]), reply[1], record_from_hash(fields, self.codec, self.keyring)
 
-    async def unroute_expired(self, caps: str, handoff_id: str) -> None:
-        """Take an expired routed handoff out of its set's queue, where it waited for no one
-        (left there, only a pull from the set would drop it: a set no one serves keeps it)."""
+    async def unroute_ended(self, caps: str, handoff_id: str) -> None:
+        """Take a routed handoff that ended (expired, cancelled) out of its set's queue, where it
+        waited for no one (left there, only a pull from the set would drop it: a set no one
+        serves keeps it)."""
         try:
             await self.router.unroute(caps, handoff_id)
         except (RedisError, OSError) as exc:
-            log.warning("could not take expired %s out of its capability set's queue: %s", handoff_id, exc)
+            log.warning("could not take ended %s out of its capability set's queue: %s", handoff_id, exc)
 
     async def read_scripts(
         self, calls: list[tuple[str, list[str], list[Any]]], plain: Callable[[], Awaitable[list[Any]]]

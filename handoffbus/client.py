@@ -291,7 +291,7 @@ class HandoffClient:
                 if reply[6]:  # its target (none for a routed handoff never offered): settled and counted
                     await bus.settle_expired({reply[6].decode(): [handoff_id]})
                 elif not request.to_agent and bus.isolated is None:  # waiting in its set's queue, for no one
-                    await bus.unroute_expired(caps, handoff_id)
+                    await bus.unroute_ended(caps, handoff_id)
             elif status in TERMINAL and request.to_agent:
                 await bus.settle(request.to_agent, [handoff_id])
             if status is not HandoffStatus.PENDING or late:
@@ -454,7 +454,14 @@ class HandoffClient:
         """Withdraw a PENDING handoff this agent requested."""
         if reason is not None and not isinstance(reason, str):
             raise InvalidRequest("reason must be a str")
-        return await self._transition("cancel", handoff_id, {"reason": reason})
+        response = await self._transition("cancel", handoff_id, {"reason": reason})
+        bus = self._bus
+        if bus.isolated is None:  # (whose user cannot reach a capability set's slot)
+            record = bus.keys.record(*split_handoff_id(handoff_id)).record
+            routed, caps, to = await bus.redis.hmget(record, ["routed", "caps", "to"])
+            if routed == b"1" and not to:  # waiting in its set's queue, for no one now
+                await bus.unroute_ended((caps or b"").decode(), handoff_id)
+        return response
 
     # ------------------------------------------------------------------ reading
 

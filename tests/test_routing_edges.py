@@ -100,25 +100,28 @@ async def test_expired_routed_handoffs_leave_their_sets_queue(real_backend: str,
             assert (await handle.status()).status is S.EXPIRED
 
 
-@pytest.mark.parametrize("expired_by", ["a status read", "a resubmission"])
+@pytest.mark.parametrize("expired_by", ["a status read", "a resubmission", "a cancel"])
 async def test_routed_handoffs_expired_outside_the_sweep_leave_their_sets_queue(
     real_backend: str, servers: dict, expired_by: str
 ) -> None:
-    """Expired by its requester's status read or resubmission, before any sweep: the record
-    leaves the deadline index, so the sweep never sees it, and a set nobody serves kept its
-    entry for good."""
+    """Expired by its requester's status read or resubmission before any sweep, or cancelled:
+    the record leaves the deadline index, so the sweep never sees it, and a set nobody serves
+    kept its entry for good."""
     async with make_bus(real_backend, servers, sweep_interval=3600) as bus:
         client = bus.client("req")
         request = routed(["typo-capability"], request_id="r1", timeout=60)
         handle = await client.request_handoff(request)
         route = bus.keys.route(set_id("typo-capability"))
         assert await bus.redis.zcard(route.queue) == 1
-        await bus.redis.delete(bus.keys.record("req", "r1").marker)  # its deadline, passed
+        if expired_by == "a cancel":
+            await handle.cancel()
+        else:
+            await bus.redis.delete(bus.keys.record("req", "r1").marker)  # its deadline, passed
         if expired_by == "a status read":
             record = await client.get_handoff_status(handle.handoff_id)
         else:
             record = await (await client.request_handoff(request)).status()
-        assert record is not None and record.status is S.EXPIRED
+        assert record is not None and record.status is (S.CANCELLED if expired_by == "a cancel" else S.EXPIRED)
         assert await bus.redis.zcard(route.queue) == 0 and await bus.redis.hlen(route.meta) == 0
 
 
