@@ -250,7 +250,7 @@ class HandoffClient:
                     # the record stands, its queue entry's reply was lost with the connection: sent
                     # again (enqueue and route are idempotent), not a failed request that a caller
                     # would retry into a second handoff
-                    followed = await self._follow_again(follow, followed)
+                    followed = await self._follow_again(keys.record, follow, followed)
             for failed in replies[:len(record_calls)]:
                 if isinstance(failed, BaseException):
                     raise failed
@@ -301,13 +301,18 @@ class HandoffClient:
             reader.release(waiter)  # no handle came of this call (it failed, or was cancelled)
             raise
 
-    async def _follow_again(self, follow: list[Call], followed: list[Any]) -> list[Any]:
+    async def _follow_again(self, record: str, follow: list[Call], followed: list[Any]) -> list[Any]:
         """The calls that follow a new record, sent again with backoff while their replies are
-        lost with the connection (a few tries: then the record stands alone, to expire at its
-        deadline, and the caller hears the error)."""
+        lost with the connection, and only while the record is PENDING: the first sending may
+        have queued it, and a worker decided it since (queued again, a decided handoff would
+        be taken for nothing; refused at the queue's cap, it would be reported as not created).
+        After a few tries the record stands alone, to expire at its deadline, and the caller
+        hears the error."""
         backoff = Backoff()
         for _ in range(FOLLOW_TRIES):
             await anyio.sleep(backoff.delay())
+            if await self._bus.redis.hget(record, "status") != b"PENDING":  # (its own slot: readable)
+                return [0] * len(follow)  # decided: it was queued, and taken
             followed = await self._bus.scripts_many(follow)
             if not any(map(_unanswered, followed)):
                 break
@@ -402,6 +407,12 @@ class HandoffClient:
             return refusal_response(handoff_id, self.agent_id, fields)
         if code == errors.EXPIRED and reply[1]:
             await bus.settle_expired({reply[1].decode(): [handoff_id]})
+        if (code == errors.EXPIRED or (name == "cancel" and code == 1)) and reply[1] == b"" and bus.isolated is None:
+            # a routed handoff that ended (expired by this call, or cancelled) while it waited in
+            # its set's queue, offered to no one: out of that queue (an isolated agent's user
+            # cannot reach the set's slot)
+            caps = await bus.redis.hget(record_keys[0], "caps")
+            await bus.unroute_ended((caps or b"").decode(), handoff_id)
         if code < 0:
             raise_for_code(code, handoff_id, self.agent_id, name, reply[1] if len(reply) > 1 else None,
                            reply[2] if len(reply) > 2 else None)
@@ -454,14 +465,7 @@ class HandoffClient:
         """Withdraw a PENDING handoff this agent requested."""
         if reason is not None and not isinstance(reason, str):
             raise InvalidRequest("reason must be a str")
-        response = await self._transition("cancel", handoff_id, {"reason": reason})
-        bus = self._bus
-        if bus.isolated is None:  # (whose user cannot reach a capability set's slot)
-            record = bus.keys.record(*split_handoff_id(handoff_id)).record
-            routed, caps, to = await bus.redis.hmget(record, ["routed", "caps", "to"])
-            if routed == b"1" and not to:  # waiting in its set's queue, for no one now
-                await bus.unroute_ended((caps or b"").decode(), handoff_id)
-        return response
+        return await self._transition("cancel", handoff_id, {"reason": reason})
 
     # ------------------------------------------------------------------ reading
 

@@ -59,6 +59,8 @@ STANDALONE_ONLY = {
         "a cluster sends a step's calls in waves, each once the one before is answered (cluster.py)",
     "test_scripts.py::test_a_request_whose_queue_entrys_reply_was_lost_is_not_failed":
         "replaces the one-server batcher's round trip, which a cluster bus does not use",
+    "test_scripts.py::test_a_queue_entry_whose_reply_was_lost_is_not_sent_again_once_its_handoff_is_decided":
+        "replaces the one-server batcher's round trip, which a cluster bus does not use",
     "test_waiters.py::test_a_request_id_used_again_hears_only_its_own_handoff":
         "holds the response reader's kept connection, which a cluster bus does not use",
     "test_waiters.py::test_blocked_readers_never_leave_script_calls_waiting_for_a_connection":

@@ -13,7 +13,7 @@ import anyio
 import pytest
 from redis.exceptions import RedisClusterException
 
-from handoffbus import HandoffBus, HandoffRequest, HandoffStatus
+from handoffbus import HandoffBus, HandoffExpired, HandoffRequest, HandoffStatus
 from handoffbus.keys import GROUP
 from handoffbus.routing import set_id
 from handoffbus.workers import Accept, AgentState, Reject
@@ -100,7 +100,7 @@ async def test_expired_routed_handoffs_leave_their_sets_queue(real_backend: str,
             assert (await handle.status()).status is S.EXPIRED
 
 
-@pytest.mark.parametrize("expired_by", ["a status read", "a resubmission", "a cancel"])
+@pytest.mark.parametrize("expired_by", ["a status read", "a resubmission", "a cancel", "a late cancel"])
 async def test_routed_handoffs_expired_outside_the_sweep_leave_their_sets_queue(
     real_backend: str, servers: dict, expired_by: str
 ) -> None:
@@ -117,7 +117,10 @@ async def test_routed_handoffs_expired_outside_the_sweep_leave_their_sets_queue(
             await handle.cancel()
         else:
             await bus.redis.delete(bus.keys.record("req", "r1").marker)  # its deadline, passed
-        if expired_by == "a status read":
+        if expired_by == "a late cancel":  # the cancel finds it past its deadline: EXPIRED now
+            with pytest.raises(HandoffExpired):
+                await handle.cancel()
+        if expired_by in ("a status read", "a late cancel"):
             record = await client.get_handoff_status(handle.handoff_id)
         else:
             record = await (await client.request_handoff(request)).status()

@@ -21,7 +21,7 @@ from handoffbus.scripts import SCRIPT_NAMES, Scripts, _files, key_count, script_
 from handoffbus.wire import Group, Line, ScriptCall, _round_trip, pack_evalsha
 from handoffbus.workers.inbox import Inbox
 
-from .conftest import SERVER_BINARIES, Servers
+from .conftest import SERVER_BINARIES, Servers, make_bus
 from .helpers import req
 
 pytestmark = pytest.mark.anyio
@@ -359,3 +359,40 @@ async def test_a_request_whose_queue_entrys_reply_was_lost_is_not_failed(
     assert cut
     queued = await real_bus.client("b").get_pending_handoffs()
     assert [p.request.reason for p in queued] == ["test", "once"] and queued[1].handoff_id == handle.handoff_id
+
+
+async def test_a_queue_entry_whose_reply_was_lost_is_not_sent_again_once_its_handoff_is_decided(
+    real_backend: str, servers: Servers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record's reply was read, its queue entry's lost with the connection; before the
+    entry is sent again, a worker took the handoff and finished it. Sent again, it would put a
+    decided handoff back in the queue (and at the queue's cap, report it as not created)."""
+    async with make_bus(real_backend, servers) as bus, \
+            make_bus(real_backend, servers, prefix=bus.keys.prefix) as target_bus:
+        client = bus.client("a")
+        await client.request_handoff(req("a", "b"))  # "b" registered as a target: one batch per request
+        batcher = bus._batcher
+        assert batcher is not None
+        execute, finished = batcher._execute, list[str]()
+
+        async def finished_meanwhile(batch: list[ScriptCall], line: Line | None) -> list[Any]:
+            replies = await execute(batch, line)
+            if [call.script.name for call in batch] == ["request", "enqueue"] and not finished:
+                hid = str(batch[0].args[0])
+                inbox = Inbox(target_bus, "b", "w1")
+                _, taken = await inbox.take(10)
+                await target_bus.client("b").accept_handoff(hid)
+                await target_bus.client("b").complete_handoff(hid, result="done")
+                await inbox.take(0, settle=[d.handoff_id for d in taken])
+                finished.append(hid)
+                exc = RedisConnectionError("Connection reset by peer")
+                exc.replies_read = replies[:1]  # type: ignore[attr-defined]  # the record's only
+                raise exc
+            return replies
+
+        monkeypatch.setattr(batcher, "_execute", finished_meanwhile)
+        handle = await client.request_handoff(req("a", "b", reason="once"))
+        assert finished == [handle.handoff_id]
+        assert await bus.redis.zscore(bus.keys.target("b").queue, handle.handoff_id) is None  # not back
+        record = await handle.status()
+        assert record is not None and record.status is HandoffStatus.COMPLETED
