@@ -155,6 +155,8 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     capabilities: list[str] = []
     started_ms: int = 0
     beat_ms: int = 0
+    #: how long its agents have to decide a routed offer (ms; 0: not said, the router's own)
+    offer_ms: int = 0
 
 
 class AgentInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -233,11 +233,12 @@ class Router:
             bus.codec.dumps_value({"refused": list(refused)}),
         ]
 
-    def assign_call(self, handoff_id: str, agent: str, chosen_ms: int = 0) -> Call:
+    def assign_call(self, handoff_id: str, agent: str, chosen_ms: int = 0, offer_ms: int = 0) -> Call:
+        """Offer a handoff to ``agent`` for ``offer_ms`` (0: this bus's ``offer_time``)."""
         bus = self._bus
         requester, request_id = split_handoff_id(handoff_id)
         return "assign", bus.keys.record(requester, request_id).as_list(), [
-            handoff_id, request_id, agent, int(bus.config.offer_time * 1000), bus.config.retention_ms,
+            handoff_id, request_id, agent, offer_ms or int(bus.config.offer_time * 1000), bus.config.retention_ms,
             bus.config.response_retention_ms, chosen_ms,
         ]
 
@@ -295,8 +296,11 @@ class Router:
                 calls.append(self._route_again(item))
                 calls += self.ring_calls(candidates, item.handoff_id, item.deferred)
         if redirected:
-            replies = await bus.scripts_many([self.assign_call(item.handoff_id, item.redirect or "")
-                                              for item in redirected])
+            # offered for as long as the agent's own workers say it takes (their --offer-time)
+            offers = {a.agent_id: max((w.offer_ms for w in a.workers), default=0) for a in agents}
+            replies = await bus.scripts_many([
+                self.assign_call(item.handoff_id, item.redirect or "", offer_ms=offers.get(item.redirect or "", 0))
+                for item in redirected])
             for item, reply in zip(redirected, replies, strict=True):
                 code = 0 if isinstance(reply, BaseException) else int(reply[0])
                 if code == 1 and item.redirect:

@@ -128,6 +128,31 @@ async def test_routed_handoffs_expired_outside_the_sweep_leave_their_sets_queue(
         assert await bus.redis.zcard(route.queue) == 0 and await bus.redis.hlen(route.meta) == 0
 
 
+class SlowDecider(Specialist):
+    async def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+        self.seen.append(request.request_id)
+        await anyio.sleep(0.8)  # a slow acceptance hook (simulated work, not synchronisation)
+        return Accept()
+
+
+async def test_a_redirect_is_offered_for_the_targets_own_offer_time(real_backend: str, servers: dict) -> None:
+    """The refusing process assigns a redirect: with its own bus's offer time (0.3 s) the offer
+    lapsed while the target's acceptance hook ran, though the target's workers run with
+    --offer-time 10. The workers publish theirs, and a redirect uses it."""
+    async with make_bus(real_backend, servers, offer_time=0.3) as bus_a, \
+            make_bus(real_backend, servers, prefix=bus_a.keys.prefix, offer_time=10) as bus_r:
+        first = Specialist("first-1", ["x"], Reject(reason="ask the expert", code="REDIRECT", redirect_to="expert-1"))
+        expert = SlowDecider("expert-1", ["x"])
+        expert.state = AgentState.BUSY  # pulls no routed work itself: only the redirect reaches it
+        async with serving(bus_a, first), serving(bus_r, expert):
+            handle = await bus_a.client("req").request_handoff(routed(["x"], timeout=30))
+            [outcome] = await outcomes([handle])
+        record = await bus_a.client("req").get_handoff_status(handle.handoff_id)
+    assert record is not None and outcome.status is S.COMPLETED and len(expert.seen) == 1
+    assert [(step.agent, step.event) for step in record.route] == [
+        ("first-1", "OFFERED"), ("first-1", "REFUSED"), ("expert-1", "OFFERED")]
+
+
 # ---------------------------------------------------------------------- delivered once
 
 

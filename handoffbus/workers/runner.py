@@ -275,7 +275,7 @@ class Worker:
         info = msgspec.json.encode({
             "consumer": self.consumer, "state": str(self.state), "load": self._active, "limit": self.concurrency,
             "capabilities": sorted(set(self.agent.capabilities)), "started_ms": self._started_ms,
-            "ttl_ms": ttl_ms,
+            "ttl_ms": ttl_ms, "offer_ms": int(self.bus.config.offer_time * 1000),
         })
         beat = await self.bus.script(
             "register", [keys.workers(self.agent.agent_id), keys.worker_beat(self.agent.agent_id, self.consumer)],
