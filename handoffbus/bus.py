@@ -61,6 +61,15 @@ def _cluster_url(url: str, cluster: bool | None) -> tuple[str, bool]:
 
 
 def _client(url: str, max_connections: int | None, cluster: bool | None = None) -> Any:
+    try:
+        return _new_client(url, max_connections, cluster)
+    except InvalidRequest:
+        raise
+    except ValueError as exc:  # redis-py's own word on the URL: a port out of range, a bad option
+        raise InvalidRequest(f"not a usable Redis URL: {exc}") from None
+
+
+def _new_client(url: str, max_connections: int | None, cluster: bool | None) -> Any:
     url, cluster = _cluster_url(url, cluster)
     options: dict[str, Any] = {"socket_timeout": None}
     if not url.startswith("unix:"):

@@ -179,11 +179,11 @@ async def load(bus: HandoffBus, agents: int, handoffs: int, say: Callable[[str],
 
 
 async def run(url: str | None = None, say: Callable[[str], None] = print,
-              agents: int = 3, handoffs: int = 0, cluster: bool = False) -> bool:
-    """Run the demo (or, with ``handoffs``, the load run); True when everything ended as
-    expected. Without ``url`` it starts an embedded server, or with ``cluster`` an embedded
-    three-primary Redis Cluster."""
-    bus = HandoffBus.connect(url) if url else HandoffBus.embedded(cluster=cluster)
+              agents: int = 3, handoffs: int = 0, cluster: bool = False, *, prefix: str = "hb") -> bool:
+    """Run the demo (or, with ``handoffs``, the load run) under key ``prefix``; True when
+    everything ended as expected. Without ``url`` it starts an embedded server, or with
+    ``cluster`` an embedded three-primary Redis Cluster."""
+    bus = HandoffBus.connect(url, prefix=prefix) if url else HandoffBus.embedded(cluster=cluster, prefix=prefix)
     async with bus:
         kind = "cluster of three primaries" if cluster else "server"
         where = url or f"an embedded {kind} ({bus._server.binary if bus._server else ''})"

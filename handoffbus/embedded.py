@@ -95,7 +95,11 @@ class EmbeddedServer:
         self._tmp = tempfile.TemporaryDirectory(prefix="handoffbus-")
         self.directory = Path(self._tmp.name)
         self.port = self.port or _free_port()
-        self._launch()
+        try:
+            self._launch()
+        except BaseException:
+            self._tmp.cleanup()  # nothing was started in it
+            raise
 
     def restart(self) -> None:
         """Stop the process and start it again on the same directory, port and socket (with
@@ -115,7 +119,10 @@ class EmbeddedServer:
             "--hash-max-listpack-value", str(HASH_MAX_LISTPACK_VALUE),
             "--logfile", str(self.directory / "server.log"), *self.extra_args,
         ]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except OSError as exc:  # no such binary, not executable
+            raise HandoffbusError(f"cannot start the server {self.binary!r}: {exc}") from None
 
     async def wait_ready(self) -> None:
         assert self.process is not None

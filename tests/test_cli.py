@@ -350,3 +350,62 @@ def test_bad_input_to_the_operator_commands_is_a_usage_error(cli: Cli) -> None:
     # a bad prefix is the caller's mistake, not an unhealthy bus
     result = CliRunner().invoke(app, ["check", "--redis-url", cli.url, "--prefix", "bad{x}"])
     assert result.exit_code == 2 and "invalid key prefix" in result.stderr
+
+
+def test_a_bad_url_or_port_is_a_usage_error_not_a_traceback() -> None:
+    runner = CliRunner()
+    for args, said in [
+        (["agents", "--redis-url", "redis://127.0.0.1:99999/0"], "not a usable Redis URL: Port out of range"),
+        (["status", "a/b", "--redis-url", "redis://127.0.0.1:6379/0?socket_timeout=abc"], "not a usable Redis URL"),
+        (["worker", "tests.agents:Echo", "--metrics-port", "99999", "--redis-url", "redis://127.0.0.1:1/0"],
+         "cannot serve metrics on 0.0.0.0:99999"),
+    ]:
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and said in result.output, (args, result.output, result.exception)
+
+
+def test_a_demo_that_cannot_start_says_why_in_one_line(servers: dict) -> None:
+    runner = CliRunner()
+    down = runner.invoke(app, ["demo", "--redis-url", "redis://127.0.0.1:1/0"])
+    assert down.exit_code == 69 and down.output.startswith("handoffbus: Redis unavailable"), down.output
+    binary = runner.invoke(app, ["demo"], env={"HANDOFFBUS_REDIS_SERVER": "/nonexistent/redis-server"})
+    assert binary.exit_code == 1 and "cannot start the server '/nonexistent/redis-server'" in binary.output
+
+
+def test_the_demo_writes_under_the_prefix_it_is_given(servers: dict) -> None:
+    prefix = new_prefix()
+    result = CliRunner().invoke(app, ["--prefix", prefix, "demo", "--redis-url", servers["valkey"].url])
+    assert result.exit_code == 0, result.output
+
+    async def keys() -> tuple[int, int]:
+        async with HandoffBus.connect(servers["valkey"].url, prefix=prefix) as bus:
+            mine = [k async for k in bus.redis.scan_iter(match=f"{prefix}:*")]
+            default = [k async for k in bus.redis.scan_iter(match="hb:{refunds-1}:*")]
+            return len(mine), len(default)
+
+    mine, default = anyio.run(keys)
+    assert mine > 0 and default == 0
+
+
+def test_a_demo_closed_with_its_terminal_stops_its_embedded_server() -> None:
+    """SIGHUP (a closed terminal or ssh session): the embedded server goes with the demo
+    (Redis ignores SIGHUP: left alone, it ran on without its parent)."""
+    demo = subprocess.Popen([sys.executable, "-m", "handoffbus", "demo", "--handoffs", "5000000"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert demo.stdout is not None
+        assert demo.stdout.readline().startswith("handoffbus demo on an embedded server")  # it runs now
+        children = Path(f"/proc/{demo.pid}/task/{demo.pid}/children").read_text().split()
+        servers = [int(pid) for pid in children
+                   if "server" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()]
+        assert len(servers) == 1
+        demo.send_signal(signal.SIGHUP)
+        assert demo.wait(timeout=30) is not None
+        assert not Path(f"/proc/{servers[0]}").exists() or b"zombie" in Path(f"/proc/{servers[0]}/status").read_bytes()
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+        if demo.stdout is not None:
+            demo.stdout.close()

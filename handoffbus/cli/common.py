@@ -85,7 +85,10 @@ def run(func: Callable[..., Awaitable[int]], *args: Any) -> None:
     """Run a command's coroutine and exit with its code; Redis out of reach exits 69, any other
     handoffbus error 1, bad input 2."""
     try:
-        code = anyio.run(func, *args, backend_options=backend_options())
+        try:
+            code = anyio.run(func, *args, backend_options=backend_options())
+        except BaseExceptionGroup as group:  # one error out of a task group: reported as itself
+            raise _only(group) from None
     except (ServerUnavailable, AuthenticationFailed, RedisConnectionError, RedisTimeoutError, socket.gaierror) as exc:
         errors.print(f"handoffbus: Redis unavailable: {exc}")
         code = EXIT_UNAVAILABLE
@@ -101,6 +104,14 @@ def run(func: Callable[..., Awaitable[int]], *args: Any) -> None:
     except KeyboardInterrupt:
         code = 130
     raise typer.Exit(code)
+
+
+def _only(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one exception a group holds, however deeply nested; the group itself if it holds more."""
+    inner: BaseException = group
+    while isinstance(inner, BaseExceptionGroup) and len(inner.exceptions) == 1:
+        inner = inner.exceptions[0]
+    return group if isinstance(inner, BaseExceptionGroup) else inner
 
 
 def serve(func: Callable[..., Awaitable[int]], *args: Any) -> None:

@@ -36,9 +36,9 @@ def register(app: typer.Typer) -> None:
     app.command("exporter")(exporter)
 
 
-async def _signalled() -> None:
-    """Return at the first SIGTERM or SIGINT."""
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+async def _signalled(*more: signal.Signals) -> None:
+    """Return at the first SIGTERM or SIGINT (or one of ``more``)."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, *more) as signals:
         async for _ in signals:
             return
 
@@ -126,7 +126,7 @@ def worker(
 
         try:
             registry = serve_metrics(metrics_port, metrics_address)
-        except (HandoffbusError, OSError) as exc:
+        except (HandoffbusError, OSError, OverflowError, ValueError) as exc:  # a port out of range too
             usage_error(f"cannot serve metrics on {metrics_address}:{metrics_port}: {exc}")
     policy = None
     if scenario is not None:
@@ -209,12 +209,17 @@ def demo(
     handoffs: Annotated[int, typer.Option(help="make it a load run of this many handoffs")] = 0,
     cluster: Annotated[bool, typer.Option(
         "--cluster", help="without a URL: start an embedded Redis Cluster of three primaries instead")] = False,
-    redis_url: RedisUrl = None,
+    redis_url: Annotated[str | None, typer.Option(
+        "--redis-url", show_default=False,
+        help="a server to run on (default: HANDOFFBUS_REDIS_URL, else an embedded one; REDIS_URL is not used: "
+        "a demo writes nothing to a server it was not pointed at)")] = None,
+    prefix: Prefix = None,
 ) -> None:
     """Run agents handing work to each other (on a throwaway embedded server by default)."""
     from ..demo import run as run_demo
 
-    url = options(ctx, redis_url).redis_url or os.environ.get("HANDOFFBUS_REDIS_URL")
+    opts = options(ctx, redis_url, prefix)
+    url = opts.redis_url or os.environ.get("HANDOFFBUS_REDIS_URL")
     if agents < 1 or handoffs < 0:
         usage_error("--agents must be at least 1 and --handoffs not negative")
     if cluster and url:
@@ -224,11 +229,13 @@ def demo(
         ok = False
         async with anyio.create_task_group() as tg:
             async def stop_on_signal() -> None:
-                await _signalled()  # SIGTERM too: the embedded server is stopped on the way out
+                # SIGTERM and SIGHUP (a closed terminal) too: the embedded server is stopped on the
+                # way out, not left running without its parent
+                await _signalled(signal.SIGHUP)
                 tg.cancel_scope.cancel()
 
             tg.start_soon(stop_on_signal)
-            ok = await run_demo(url, print, agents, handoffs, cluster)
+            ok = await run_demo(url, print, agents, handoffs, cluster, prefix=opts.prefix)
             tg.cancel_scope.cancel()
         return EXIT_OK if ok else EXIT_FAILED
 
@@ -274,7 +281,7 @@ def exporter(
     _logging()
     try:
         registry = serve_metrics(port, address)
-    except (HandoffbusError, OSError) as exc:
+    except (HandoffbusError, OSError, OverflowError, ValueError) as exc:  # a port out of range too
         usage_error(f"cannot serve metrics on {address}:{port}: {exc}")
     serve(_exporter, opts, registry, interval)
 
