@@ -8,13 +8,21 @@ them over HTTP.
 
 Labels are agent ids and statuses only, never handoff ids. Counters are per process:
 Prometheus sums them over processes. Every process serving an agent reports the same gauge
-values, so alert rules take their ``max``. With ``PROMETHEUS_MULTIPROC_DIR`` set (several
-processes sharing one exporter), prometheus_client's multiprocess mode is used, and gauges
-keep the largest value.
+values, so alert rules take their ``max``.
+
+With ``PROMETHEUS_MULTIPROC_DIR`` set, prometheus_client's multiprocess mode is used: every
+process writes its values to files in that directory, and ``serve_metrics`` serves the merged
+view of all of them. Scrape exactly one process of the group then (each serves the same merged
+view, so summing the scrapes of several counts everything several times). The gauges merge
+live processes only: the freshest reading of Redis state (``livemostrecent``), the latest
+heartbeat (``livemax``); a process marks itself dead when it exits, so a worker that is gone
+no longer reports live workers or a queue depth. A process killed without exiting cannot: clear
+the directory when the group starts.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from collections.abc import Sequence
@@ -41,7 +49,34 @@ try:
 except ImportError:  # pragma: no cover - the extra is not installed
     prom = None
 
-#: statuses a handoff ends in, counted by handoffbus_handoffs_finished_total
+#: how multiprocess mode merges each gauge over the processes: live ones only (a dead
+#: process's last values would hide the outage the alerts are for); the gauges that read
+#: shared state from Redis take the freshest reading, the heartbeat the latest beat
+GAUGE_MODES = {
+    "handoffbus_queue_depth": "livemostrecent",
+    "handoffbus_inflight": "livemostrecent",
+    "handoffbus_oldest_waiting_age_seconds": "livemostrecent",
+    "handoffbus_oldest_inflight_age_seconds": "livemostrecent",
+    "handoffbus_live_workers": "livemostrecent",
+    "handoffbus_worker_heartbeat_timestamp_seconds": "livemax",
+}
+
+_marked_at_exit = False
+
+
+def _mark_dead_at_exit() -> None:
+    """In multiprocess mode, have this process's live gauges dropped from the merged view
+    when it exits (once per process; the pid is read at exit, so a forked child marks itself)."""
+    global _marked_at_exit
+    if _marked_at_exit or not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return
+    from prometheus_client import multiprocess
+
+    def mark() -> None:
+        multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
+
+    atexit.register(mark)
+    _marked_at_exit = True
 
 
 def _require() -> Any:
@@ -69,17 +104,19 @@ class Metrics:
                                     ["agent"], buckets=BUCKETS, registry=registry)
         self.duration = p.Histogram("handoffbus_handoff_duration_seconds", "Time from request to completion or "
                                     "failure", ["agent"], buckets=BUCKETS, registry=registry)
-        gauge: dict[str, Any] = {"registry": registry, "multiprocess_mode": "max"}
-        self.queue_depth = p.Gauge("handoffbus_queue_depth", "Handoffs queued for the agent", ["agent"], **gauge)
-        self.inflight = p.Gauge("handoffbus_inflight", "Handoffs in the agent's workers' hands", ["agent"], **gauge)
-        self.oldest_waiting = p.Gauge("handoffbus_oldest_waiting_age_seconds", "How long the agent's oldest queued "
-                                      "handoff has waited since it was requested (0: none)", ["agent"], **gauge)
-        self.oldest_inflight = p.Gauge("handoffbus_oldest_inflight_age_seconds", "How long since the oldest "
-                                       "handoff in flight was taken by a worker (0: none)", ["agent"], **gauge)
-        self.live_workers = p.Gauge("handoffbus_live_workers", "Live worker processes of the agent", ["agent"],
-                                    **gauge)
-        self.heartbeat = p.Gauge("handoffbus_worker_heartbeat_timestamp_seconds", "Redis time of the last "
-                                 "registry heartbeat of this process's worker of the agent", ["agent"], **gauge)
+        def gauge(name: str, documentation: str) -> Any:
+            return p.Gauge(name, documentation, ["agent"], registry=registry, multiprocess_mode=GAUGE_MODES[name])
+
+        self.queue_depth = gauge("handoffbus_queue_depth", "Handoffs queued for the agent")
+        self.inflight = gauge("handoffbus_inflight", "Handoffs in the agent's workers' hands")
+        self.oldest_waiting = gauge("handoffbus_oldest_waiting_age_seconds", "How long the agent's oldest queued "
+                                    "handoff has waited since it was requested (0: none)")
+        self.oldest_inflight = gauge("handoffbus_oldest_inflight_age_seconds", "How long since the oldest "
+                                     "handoff in flight was taken by a worker (0: none)")
+        self.live_workers = gauge("handoffbus_live_workers", "Live worker processes of the agent")
+        self.heartbeat = gauge("handoffbus_worker_heartbeat_timestamp_seconds", "Redis time of the last "
+                               "registry heartbeat of this process's worker of the agent")
+        _mark_dead_at_exit()
         bus.tally.listeners.append(self)
 
     # the tally's listener interface
@@ -123,8 +160,9 @@ class Metrics:
 
 
 def serve_metrics(port: int, address: str = "0.0.0.0") -> Any:
-    """Serve the metrics over HTTP (a daemon thread); in multiprocess mode, every process's.
-    Returns the registry to create ``Metrics`` in."""
+    """Serve the metrics over HTTP (a daemon thread); in multiprocess mode, the merged view of
+    every process writing to ``PROMETHEUS_MULTIPROC_DIR`` (so scrape one process of the group,
+    not each). Returns the registry to create ``Metrics`` in."""
     p = _require()
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import multiprocess

@@ -2,9 +2,12 @@
 from Redis alone (``handoffbus top``, ``check``, the metrics exporter and the tests use it).
 
 One ``observe`` script per agent (its own slot) returns queue depth, in-flight count, the
-oldest in-flight inbox entry, the stats hash and the head of each priority band of the
-queue. A band is served first in, first out, so the oldest waiting handoff is one of those
-heads: their records (in the requesters' slots) give the ages.
+oldest in-flight inbox entry, the stats hash and the heads of priority bands of the queue:
+up to ``BANDS`` of the lowest priority numbers and up to ``BANDS`` of the highest. A band is
+served first in, first out, so each band's oldest waiting handoff is its head: their records
+(in the requesters' slots) give the ages. Under a steady stream of urgent work the bands
+that starve are the highest numbers, which are always looked at; only when more than
+2 * ``BANDS`` priorities are queued at once may a middle band's head go unseen.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ if TYPE_CHECKING:
 
 __all__ = ["AgentView", "known_agents", "observe", "observe_agents"]
 
-#: priority bands whose head is looked at for the oldest waiting handoff
-BANDS = 32
+#: priority bands, from each end of the queue, whose head is looked at for the oldest waiting handoff
+BANDS = 16
 
 
 class AgentView(msgspec.Struct, frozen=True, kw_only=True):

@@ -79,8 +79,10 @@ async def load_rows(redis: Any, keys: Sequence[RecordKeys]) -> list[list[Any]]:
 
 async def observe_replies(redis: Any, agents: Sequence[tuple[TargetKeys, str]], bands: int) -> list[list[Any]]:
     """What the ``observe`` script returns for each (queue keys, stats key): {queued, in flight,
-    oldest in-flight entry id, Redis time ms, flat stats, flat band heads}. The band heads take
-    one round trip per band, for the agents that have one more."""
+    oldest in-flight entry id, Redis time ms, flat stats, flat band heads}: the heads of up to
+    ``bands`` of the lowest priority bands, then of up to ``bands`` of the highest (each band
+    once). The band heads take one round trip per band from below and two per band from above,
+    for the agents that have one more."""
     async with redis.pipeline(transaction=False) as pipe:
         for target, stats in agents:
             pipe.zcard(target.queue)
@@ -94,8 +96,9 @@ async def observe_replies(redis: Any, agents: Sequence[tuple[TargetKeys, str]], 
         queued, inflight, first, stats = replies[4 * i:4 * i + 4]
         flat = [part for pair in stats.items() for part in pair]
         out.append([queued, inflight, first[0][0] if first else b"", now_ms, flat, []])
+    last_band: dict[int, int] = {}  # agent index: the highest band walked from below
     starts: dict[int, str] = dict.fromkeys(range(len(agents)), "-inf")
-    for _ in range(bands):
+    for _ in range(bands):  # the lowest bands, upwards
         if not starts:
             break
         async with redis.pipeline(transaction=False) as pipe:
@@ -107,6 +110,34 @@ async def observe_replies(redis: Any, agents: Sequence[tuple[TargetKeys, str]], 
             if head:
                 member, score = head[0]
                 out[i][5] += (member, b"%d" % score)
-                following[i] = str((int(score) // BAND_SIZE + 1) * BAND_SIZE)
+                last_band[i] = int(score) // BAND_SIZE
+                following[i] = str((last_band[i] + 1) * BAND_SIZE)
+            else:
+                last_band.pop(i, None)  # every band walked: none left above
         starts = following
+    ends: dict[int, str] = dict.fromkeys(last_band, "+inf")
+    for _ in range(bands):  # the highest bands, downwards, until they meet the ones below
+        if not ends:
+            break
+        async with redis.pipeline(transaction=False) as pipe:
+            for i, end in ends.items():
+                # ZRANGE BYSCORE REV: the monitor user may run ZRANGE, not ZREVRANGEBYSCORE
+                pipe.zrange(agents[i][0].queue, end, "-inf", desc=True, byscore=True, offset=0, num=1,
+                            withscores=True)
+            tops = await pipe.execute()
+        band_starts: dict[int, int] = {}
+        for i, top in zip(ends, tops, strict=True):
+            if top and int(top[0][1]) // BAND_SIZE > last_band[i]:
+                band_starts[i] = int(top[0][1]) // BAND_SIZE * BAND_SIZE
+        if not band_starts:
+            break
+        async with redis.pipeline(transaction=False) as pipe:
+            for i, band_start in band_starts.items():
+                pipe.zrangebyscore(agents[i][0].queue, band_start, "+inf", start=0, num=1, withscores=True)
+            found = await pipe.execute()
+        for i, head in zip(band_starts, found, strict=True):
+            if head:  # else the band emptied between the two reads
+                member, score = head[0]
+                out[i][5] += (member, b"%d" % score)
+        ends = {i: f"({band_start}" for i, band_start in band_starts.items()}
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +135,41 @@ def test_kubernetes_worker_pdb_and_keda_fit_together() -> None:
     [prom] = [t for t in scaled["spec"]["triggers"] if t["type"] == "prometheus"]
     assert f'agent="{agent}"' in prom["metadata"]["query"]
     assert {p["containerPort"] for p in container["ports"]} == {int(option(args, "--metrics-port"))}
+
+
+def test_keda_logs_in_with_a_trigger_authentication_of_the_deploy_files() -> None:
+    """Every authenticationRef of a ScaledObject names a TriggerAuthentication defined in
+    deploy/, whose secret refs name keys of a Secret defined there; every secretKeyRef of the
+    Deployment does too; the redis-streams trigger's address and TLS match the workers' URL."""
+    documents = [load(path) for path in sorted(DEPLOY.rglob("*.yaml")) + sorted(DEPLOY.rglob("*.yml"))]
+    of_kind: dict[str, dict[str, Any]] = {}
+    for document in documents:
+        if isinstance(document, dict) and "kind" in document:
+            of_kind.setdefault(document["kind"], {})[document["metadata"]["name"]] = document
+    auths, secrets = of_kind.get("TriggerAuthentication", {}), of_kind.get("Secret", {})
+
+    def secret_keys(name: str) -> set[str]:
+        assert name in secrets, f"no Secret {name!r} in deploy/"
+        secret = secrets[name]
+        return {*secret.get("stringData", {}), *secret.get("data", {})}
+
+    scaled = load(DEPLOY / "kubernetes" / "keda-scaledobject.yaml")
+    refs = [t["authenticationRef"]["name"] for t in scaled["spec"]["triggers"] if "authenticationRef" in t]
+    assert refs
+    for name in refs:
+        assert name in auths, f"authenticationRef {name!r} names no TriggerAuthentication in deploy/"
+        targets = auths[name]["spec"]["secretTargetRef"]
+        assert {t["parameter"] for t in targets} >= {"password"}
+        for target in targets:
+            assert target["key"] in secret_keys(target["name"]), target
+    deployment = load(DEPLOY / "kubernetes" / "worker-deployment.yaml")
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    [url_ref] = [e["valueFrom"]["secretKeyRef"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})]
+    assert url_ref["key"] in secret_keys(url_ref["name"])
+    url = urllib.parse.urlsplit(secrets[url_ref["name"]]["stringData"][url_ref["key"]])
+    [stream] = [t for t in scaled["spec"]["triggers"] if t["type"] == "redis-streams"]
+    assert stream["metadata"]["address"] == f"{url.hostname}:{url.port}"
+    assert stream["metadata"].get("enableTLS", "false") == ("true" if url.scheme == "rediss" else "false")
 
 
 # ---------------------------------------------------------------------- prometheus

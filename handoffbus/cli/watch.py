@@ -87,7 +87,8 @@ class Frame:
             before, first = before_of.get(view.agent_id), first_of.get(view.agent_id)
             since = view.counts.minus(before.counts) if before else None
             dt = (view.at_ms - before.at_ms) / 1000 if before else 0
-            window = view.counts.minus(first.counts) if first else view.counts
+            # no earlier reading: the counts are all-time, not the window's (as rates, unknown until then)
+            window = view.counts.minus(first.counts) if first else None
             self.rows.append({
                 "agent": view.agent_id, "queued": view.queued, "in_flight": view.in_flight,
                 "oldest_waiting_s": view.oldest_waiting_s, "oldest_in_flight_s": view.oldest_in_flight_s,
@@ -97,7 +98,9 @@ class Frame:
             })
 
 
-def _quantiles(counts: AgentCounts) -> dict[str, float | None]:
+def _quantiles(counts: AgentCounts | None) -> dict[str, float | None]:
+    if counts is None:
+        return dict.fromkeys(("decision_p50_s", "decision_p99_s", "completion_p50_s", "completion_p99_s"))
     return {
         "decision_p50_s": quantile(counts.decision, 0.5), "decision_p99_s": quantile(counts.decision, 0.99),
         "completion_p50_s": quantile(counts.duration, 0.5), "completion_p99_s": quantile(counts.duration, 0.99),

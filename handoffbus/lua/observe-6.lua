@@ -3,11 +3,14 @@
 
   KEYS[1] queue   KEYS[2] inbox   KEYS[3] in-flight index   KEYS[4] sequence   KEYS[5] doorbell
   (see includes/queue.lua)   KEYS[6] stats hash <p>:{A}:stats (see handoffbus/stats.py)
-  ARGV[1] how many priority bands to report the head of (the queue serves a band first in,
-          first out, so its head is its oldest handoff)
+  ARGV[1] how many priority bands to report the head of from each end of the queue: that many
+          of the lowest priority numbers (served first) and that many of the highest (served
+          last, so the likeliest to starve), each band once. The queue serves a band first in,
+          first out, so its head is its oldest handoff. Cost: O(ARGV[1] * log n), never a scan.
 
   Returns {queued, in flight, oldest in-flight inbox entry id (or ""), Redis time ms,
            {stats field, value, ...}, {band head handoff id, score, ...}}
+           (the heads of the lowest bands in ascending order, then of the highest in descending)
   The caller reads the heads' records (in their requesters' slots) for their ages.
 ]]
 local queued = redis.call('ZCARD', KEYS[1])
@@ -18,12 +21,29 @@ local t = redis.call('TIME')
 local now = string.format('%.0f', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 
 local band_size = 4398046511104  -- 2^42: a score is priority * 2^42 + sequence (see enqueue-5.lua)
-local heads, from = {}, '-inf'
-for _ = 1, tonumber(ARGV[1]) do
+local bands = tonumber(ARGV[1])
+local heads, from, last_band, walked_all = {}, '-inf', nil, false
+-- the lowest bands, upwards
+for _ = 1, bands do
   local found = redis.call('ZRANGEBYSCORE', KEYS[1], from, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-  if not found[1] then break end
+  if not found[1] then walked_all = true break end
   heads[#heads + 1] = found[1]
   heads[#heads + 1] = found[2]
-  from = string.format('%.0f', (math.floor(tonumber(found[2]) / band_size) + 1) * band_size)
+  last_band = math.floor(tonumber(found[2]) / band_size)
+  from = string.format('%.0f', (last_band + 1) * band_size)
+end
+-- the highest bands, downwards, until they meet the ones walked upwards (ZRANGE BYSCORE REV: the
+-- ACL users of `handoffbus acl` may run ZRANGE, not ZREVRANGEBYSCORE)
+local to = '+inf'
+for _ = 1, (walked_all or not last_band) and 0 or bands do
+  local top = redis.call('ZRANGE', KEYS[1], to, '-inf', 'BYSCORE', 'REV', 'LIMIT', 0, 1, 'WITHSCORES')
+  if not top[1] then break end
+  local band = math.floor(tonumber(top[2]) / band_size)
+  if band <= last_band then break end
+  local start = string.format('%.0f', band * band_size)
+  local found = redis.call('ZRANGEBYSCORE', KEYS[1], start, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  heads[#heads + 1] = found[1]
+  heads[#heads + 1] = found[2]
+  to = '(' .. start
 end
 return {queued, inflight, oldest, now, redis.call('HGETALL', KEYS[6]), heads}
