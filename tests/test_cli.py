@@ -25,7 +25,7 @@ from handoffbus import HandoffBus, HandoffContext, serialize_context
 from handoffbus.cli import app
 from handoffbus.workers.inbox import Inbox
 
-from .conftest import new_prefix
+from .conftest import SERVER_BINARIES, new_prefix, start_server
 from .helpers import req
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -409,3 +409,17 @@ def test_a_demo_closed_with_its_terminal_stops_its_embedded_server() -> None:
             demo.wait()
         if demo.stdout is not None:
             demo.stdout.close()
+
+
+def test_check_gives_up_on_a_server_that_stopped_answering() -> None:
+    """A frozen server accepts connections and never replies: the probe says so within its
+    --timeout, instead of waiting until its orchestrator kills it (or for ever, run by hand)."""
+    server = start_server(SERVER_BINARIES["redis"])
+    assert server.process is not None
+    try:
+        server.process.send_signal(signal.SIGSTOP)
+        result = CliRunner().invoke(app, ["check", "--timeout", "1", "--redis-url", server.tcp_url])
+        assert result.exit_code == 1 and "did not answer within 1 s" in result.output, result.output
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+        server.stop()

@@ -14,6 +14,7 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
+from ..config import check_seconds
 from ..errors import InvalidName, InvalidRequest
 from ..monitor import AgentView, observe_agents
 from ..stats import AgentCounts, quantile
@@ -32,6 +33,7 @@ from .common import (
     run,
     seconds,
     table,
+    usage_error,
 )
 
 __all__ = ["Frame", "register"]
@@ -177,27 +179,38 @@ def check(
         "--agent", "-a", help="also require this agent (repeatable) to have a live worker and a fresh backlog")] = None,
     max_backlog_age: Annotated[float, typer.Option(
         help="seconds the oldest queued handoff of a checked agent may have waited")] = 300.0,
+    timeout: Annotated[float, typer.Option(
+        help="seconds the check may take: a server that does not answer in time is unhealthy")] = 10.0,
     redis_url: RedisUrl = None, prefix: Prefix = None, as_json: Json = False,
 ) -> None:
     """Exit 0 when healthy, 1 when not (Redis out of reach included): for container probes."""
     opts = options(ctx, redis_url, prefix, as_json)
     try:
-        run(_check, opts, agent or [], max_backlog_age)
+        check_seconds("--timeout", timeout)
+    except InvalidRequest as exc:
+        usage_error(str(exc))
+    try:
+        run(_check, opts, agent or [], max_backlog_age, timeout)
     except typer.Exit as done:
         if done.exit_code not in (EXIT_OK, EXIT_FAILED, 2):
             raise typer.Exit(EXIT_FAILED) from None  # a probe wants one failure code
         raise
 
 
-async def _check(opts: Options, agents: list[str], max_backlog_age: float) -> int:
+async def _check(opts: Options, agents: list[str], max_backlog_age: float, wait: float) -> int:
     problems: list[str] = []
     views: list[AgentView] = []
     try:
-        async with open_bus(opts, "check") as bus:
-            await bus.redis.ping()
-            views = await observe_agents(bus, agents) if agents else []
+        # bounded: a server that stopped answering (frozen, a network that drops packets) would
+        # otherwise keep the probe waiting until its orchestrator killed it, and a person for ever
+        with anyio.fail_after(wait):
+            async with open_bus(opts, "check") as bus:
+                await bus.redis.ping()
+                views = await observe_agents(bus, agents) if agents else []
     except (typer.Exit, InvalidRequest, InvalidName):
         raise  # a usage error (no server given, a bad prefix or URL): exit 2, not "unhealthy"
+    except TimeoutError:
+        problems.append(f"Redis did not answer within {wait:g} s")
     except Exception as exc:
         problems.append(f"Redis unavailable: {exc}")
     for view in views:
