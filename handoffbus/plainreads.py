@@ -12,7 +12,7 @@ EXPIRED by the read.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from redis.exceptions import NoPermissionError
@@ -101,10 +101,7 @@ async def observe_replies(redis: Any, agents: Sequence[tuple[TargetKeys, str]], 
     for _ in range(bands):  # the lowest bands, upwards
         if not starts:
             break
-        async with redis.pipeline(transaction=False) as pipe:
-            for i, start in starts.items():
-                pipe.zrangebyscore(agents[i][0].queue, start, "+inf", start=0, num=1, withscores=True)
-            found = await pipe.execute()
+        found = await _heads_from(redis, agents, starts)
         following: dict[int, str] = {}
         for i, head in zip(starts, found, strict=True):
             if head:
@@ -131,13 +128,21 @@ async def observe_replies(redis: Any, agents: Sequence[tuple[TargetKeys, str]], 
                 band_starts[i] = int(top[0][1]) // BAND_SIZE * BAND_SIZE
         if not band_starts:
             break
-        async with redis.pipeline(transaction=False) as pipe:
-            for i, band_start in band_starts.items():
-                pipe.zrangebyscore(agents[i][0].queue, band_start, "+inf", start=0, num=1, withscores=True)
-            found = await pipe.execute()
+        found = await _heads_from(redis, agents, band_starts)
         for i, head in zip(band_starts, found, strict=True):
             if head:  # else the band emptied between the two reads
                 member, score = head[0]
                 out[i][5] += (member, b"%d" % score)
         ends = {i: f"({band_start}" for i, band_start in band_starts.items()}
     return out
+
+
+async def _heads_from(
+    redis: Any, agents: Sequence[tuple[TargetKeys, str]], starts: Mapping[int, str | int]
+) -> list[Any]:
+    """For each agent index in ``starts``: the first queued (member, score) at or above that
+    score, or nothing; in one round trip."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for i, start in starts.items():
+            pipe.zrangebyscore(agents[i][0].queue, start, "+inf", start=0, num=1, withscores=True)
+        return list(await pipe.execute())
