@@ -423,3 +423,15 @@ def test_check_gives_up_on_a_server_that_stopped_answering() -> None:
     finally:
         server.process.send_signal(signal.SIGCONT)
         server.stop()
+
+
+def test_refresh_intervals_and_agent_ids_are_checked_before_anything_runs() -> None:
+    runner = CliRunner()
+    for args, said in [
+        (["top", "--interval", "0", "--redis-url", "redis://127.0.0.1:1/0"], "--interval"),
+        (["exporter", "--interval", "-1", "--redis-url", "redis://127.0.0.1:1/0"], "--interval"),
+        (["check", "--agent", "bad name!", "--redis-url", "redis://127.0.0.1:1/0"], "agent id"),
+        (["top", "--agent", "bad name!", "--redis-url", "redis://127.0.0.1:1/0"], "agent id"),
+    ]:
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and said in result.output, (args, result.output)

@@ -278,6 +278,10 @@ def exporter(
 
     opts = options(ctx, redis_url, prefix)
     opts.url("exporter")
+    try:
+        check_seconds("--interval", interval)  # 0 would spin
+    except InvalidRequest as exc:
+        usage_error(str(exc))
     _logging()
     try:
         registry = serve_metrics(port, address)
