@@ -4,7 +4,21 @@ from __future__ import annotations
 
 import random
 
-__all__ = ["Backoff"]
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+__all__ = ["LOST_CONNECTION", "Backoff", "lost_connection"]
+
+#: Redis out of reach for now, worth waiting out: a lost connection, a timeout, a failover's
+#: READONLY (OSError covers sockets). A forwarder's refusal is an OSError too (PermissionError):
+#: an answer, not a loss; ``lost_connection`` and callers that catch these leave it out.
+LOST_CONNECTION = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OSError)
+
+
+def lost_connection(exc: object) -> bool:
+    """Whether ``exc`` (a call's error or reply) says the server could not be reached."""
+    return isinstance(exc, LOST_CONNECTION) and not isinstance(exc, PermissionError)
 
 
 class Backoff:

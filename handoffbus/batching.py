@@ -160,10 +160,7 @@ class ScriptBatcher:
         else:
             if not any(map(no_script, replies)):  # the usual case: every call answered
                 for call, reply in zip(batch, replies, strict=True):
-                    if isinstance(reply, Exception):
-                        call.finish(error=reply)
-                    else:
-                        call.finish(result=reply)
+                    _finish(call, reply)
                 return
         await self._recover(batch, line, replies, failure)
 
@@ -178,10 +175,9 @@ class ScriptBatcher:
         broken: set[Group] = set()
         _answered(batch, first, answers, broken)
         sending = batch
+        rounds = NOSCRIPT_ROUNDS if failure is None else 0  # a connection that failed: nothing is sent again
         try:
-            for _ in range(NOSCRIPT_ROUNDS):  # the cache may be flushed again between load and retry
-                if failure is not None:
-                    break
+            for _ in range(rounds):  # the cache may be flushed again between load and retry
                 lost = [c for c in sending if no_script(answers.get(id(c)))]
                 if not lost:
                     break
@@ -201,10 +197,16 @@ class ScriptBatcher:
                     "before this one could; not sent again, it may be tried again"))
             elif failure is not None and (reply is _UNANSWERED or no_script(reply)):
                 call.finish(error=failure)
-            elif isinstance(reply, Exception):
-                call.finish(error=reply)
             else:
-                call.finish(result=reply)
+                _finish(call, reply)
+
+
+def _finish(call: ScriptCall, reply: Any) -> None:
+    """A call's reply to its caller: an error reply raised there, any other returned."""
+    if isinstance(reply, Exception):
+        call.finish(error=reply)
+    else:
+        call.finish(result=reply)
 
 
 #: a call the connection's failure left without a reply

@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import redis.asyncio as aioredis
 from anyio.abc import TaskGroup
-from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisClusterException, RedisError
 
 from .batching import ScriptBatcher
 from .client import HandoffClient
@@ -500,18 +500,22 @@ class HandoffBus:
         if reply[2] == 1:  # this read expired it: out of its queue
             if fields.get(b"to"):
                 await self.settle_expired({fields[b"to"].decode(): [handoff_id]})
-            elif fields.get(b"routed") == b"1" and self.isolated is None:  # (whose user cannot reach the set)
-                await self.unroute_ended(fields.get(b"caps", b"").decode(), handoff_id)
+            elif fields.get(b"routed") == b"1":
+                await self.drop_routes([(fields.get(b"caps", b"").decode(), handoff_id)])
         return int(reply[0]), reply[1], record_from_hash(fields, self.codec, self.keyring)
 
-    async def unroute_ended(self, caps: str, handoff_id: str) -> None:
-        """Take a routed handoff that ended (expired, cancelled) out of its set's queue, where it
-        waited for no one (left there, only a pull from the set would drop it: a set no one
-        serves keeps it)."""
+    async def drop_routes(self, items: Sequence[tuple[str, str]]) -> None:
+        """Take (capability set, handoff id) entries out of their sets' queues, where no one will
+        take them: handoffs that ended (expired, cancelled) or were never created (left there,
+        only a pull from the set would drop them: a set no one serves keeps them). A failure is
+        logged, not raised: what called for it must be heard. Nothing for an isolated agent,
+        whose user cannot reach a set's slot (a pull drops the entry then)."""
+        if not items or self.isolated is not None:
+            return
         try:
-            await self.router.unroute(caps, handoff_id)
-        except (RedisError, OSError) as exc:
-            log.warning("could not take ended %s out of its capability set's queue: %s", handoff_id, exc)
+            await self.router.unroute_many(items)
+        except (RedisError, RedisClusterException, OSError) as exc:
+            log.warning("could not take %d handoffs out of their capability sets' queues: %s", len(items), exc)
 
     async def read_scripts(
         self, calls: list[tuple[str, list[str], list[Any]]], plain: Callable[[], Awaitable[list[Any]]]

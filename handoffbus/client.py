@@ -13,12 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import errors, tracing
-from .backoff import Backoff
+from .backoff import Backoff, lost_connection
 from .config import MAX_PRIORITY
 from .errors import QUEUE_FULL, EncodeError, InvalidRequest, NotPermitted, raise_for_code
 from .handle import HandoffHandle
@@ -92,12 +89,6 @@ MAX_STREAM_ID_PART = 2**64 - 1
 
 #: how often the calls that follow a new record are sent again when their replies were lost
 FOLLOW_TRIES = 4
-
-
-def _unanswered(reply: Any) -> bool:
-    """Whether a call's reply was lost with its connection (a refusal is an answer)."""
-    return isinstance(reply, RedisConnectionError | RedisTimeoutError | OSError) and not isinstance(
-        reply, PermissionError)
 
 
 #: the status each signed transition writes
@@ -246,7 +237,7 @@ class HandoffClient:
                 # crash between them leaves a PENDING record that expires at its deadline
                 replies = await bus.scripts_many([*record_calls, *follow])
                 reply, followed = replies[len(record_calls) - 1], replies[len(record_calls):]
-                if not isinstance(reply, BaseException) and int(reply[0]) == 1 and any(map(_unanswered, followed)):
+                if not isinstance(reply, BaseException) and int(reply[0]) == 1 and any(map(lost_connection, followed)):
                     # the record stands, its queue entry's reply was lost with the connection: sent
                     # again (enqueue and route are idempotent), not a failed request that a caller
                     # would retry into a second handoff
@@ -256,13 +247,10 @@ class HandoffClient:
                     raise failed
             code = int(reply[0])
             status = HandoffStatus(reply[1].decode()) if code >= 0 else None
-            if status is None and not request.to_agent and followed and followed[0] == 1 and bus.isolated is None:
-                # refused, nothing created: the route entry sent with it goes (an isolated agent
-                # may not reach the set's slot; pulled, an entry without a record is dropped)
-                try:
-                    await bus.router.unroute(caps, handoff_id)
-                except (RedisError, OSError) as exc:  # the refusal is what the caller must hear
-                    log.warning("could not take back the route entry of refused %s: %s", handoff_id, exc)
+            if status is None and not request.to_agent and followed and followed[0] == 1:
+                # refused, nothing created: the route entry sent with it goes (pulled, an entry
+                # without a record is dropped too)
+                await bus.drop_routes([(caps, handoff_id)])
             if status is not None:  # a refused record says why first: the calls after it failed for it
                 for failed in followed:
                     if isinstance(failed, BaseException):
@@ -290,8 +278,8 @@ class HandoffClient:
             if code == 0 and len(reply) > 6 and int(reply[5]) == 1:  # this resubmission expired it
                 if reply[6]:  # its target (none for a routed handoff never offered): settled and counted
                     await bus.settle_expired({reply[6].decode(): [handoff_id]})
-                elif not request.to_agent and bus.isolated is None:  # waiting in its set's queue, for no one
-                    await bus.unroute_ended(caps, handoff_id)
+                elif not request.to_agent:  # waiting in its set's queue, for no one
+                    await bus.drop_routes([(caps, handoff_id)])
             elif status in TERMINAL and request.to_agent:
                 await bus.settle(request.to_agent, [handoff_id])
             if status is not HandoffStatus.PENDING or late:
@@ -314,7 +302,7 @@ class HandoffClient:
             if await self._bus.redis.hget(record, "status") != b"PENDING":  # (its own slot: readable)
                 return [0] * len(follow)  # decided: it was queued, and taken
             followed = await self._bus.scripts_many(follow)
-            if not any(map(_unanswered, followed)):
+            if not any(map(lost_connection, followed)):
                 break
         return followed
 
@@ -409,10 +397,10 @@ class HandoffClient:
             await bus.settle_expired({reply[1].decode(): [handoff_id]})
         if (code == errors.EXPIRED or (name == "cancel" and code == 1)) and reply[1] == b"" and bus.isolated is None:
             # a routed handoff that ended (expired by this call, or cancelled) while it waited in
-            # its set's queue, offered to no one: out of that queue (an isolated agent's user
-            # cannot reach the set's slot)
+            # its set's queue, offered to no one: out of that queue (the read of its capability
+            # set is skipped where drop_routes does nothing)
             caps = await bus.redis.hget(record_keys[0], "caps")
-            await bus.unroute_ended((caps or b"").decode(), handoff_id)
+            await bus.drop_routes([((caps or b"").decode(), handoff_id)])
         if code < 0:
             raise_for_code(code, handoff_id, self.agent_id, name, reply[1] if len(reply) > 1 else None,
                            reply[2] if len(reply) > 2 else None)

@@ -320,7 +320,6 @@ class ClusterSender:
             log.warning("could not refresh the cluster's slots (%s)", exc)
 
 
-
 def unreachable(exc: Exception) -> Exception:
     """What the calls of a failed round hear: a cluster client's own errors (every node down, a
     slot no node serves) as the ConnectionError every caller backs off on, not a
@@ -331,7 +330,6 @@ def unreachable(exc: Exception) -> Exception:
     if isinstance(exc, RedisClusterException):
         return RedisConnectionError(f"the cluster cannot serve the call: {type(exc).__name__}: {exc}")
     return exc
-
 
 
 class ClusterClient(RedisCluster):

@@ -67,14 +67,12 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
             check_seconds(name, getattr(self, name))
         if self.default_timeout > self.max_timeout:
             raise InvalidRequest("default_timeout exceeds max_timeout")
-        if not isinstance(self.codec, str):
-            raise InvalidRequest(f"codec must be a str ('msgpack' or 'json'), not {type(self.codec).__name__}")
-        for name in ("sweep_batch", "max_queued", "max_pending", "payload_limit", "compress_threshold"):
+        for name in ("sweep_batch", "max_queued", "max_pending"):
             value = getattr(self, name)
-            # the caps: 0 is no cap; a compress_threshold of 0 compresses everything
-            least = 1 if name in ("sweep_batch", "payload_limit") else 0
+            least = 1 if name == "sweep_batch" else 0  # the caps: 0 is no cap
             if type(value) is not int or value < least:
                 raise InvalidRequest(f"{name} must be an int of at least {least}, not {value!r}")
+        # the codec, payload_limit and compress_threshold: checked by the codec they make
         PayloadCodec(self.codec, compress_threshold=self.compress_threshold, limit=self.payload_limit)
 
     def make_codec(self) -> PayloadCodec:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from redis.exceptions import RedisError
 
-from .errors import HandoffbusError
+from .errors import HandoffbusError, InvalidRequest
 from .monitor import known_agents, observe_agents
 from .stats import BUCKETS, COUNTED
 
@@ -164,6 +164,8 @@ def serve_metrics(port: int, address: str = "0.0.0.0") -> Any:
     every process writing to ``PROMETHEUS_MULTIPROC_DIR`` (so scrape one process of the group,
     not each). Returns the registry to create ``Metrics`` in."""
     p = _require()
+    if type(port) is not int or not 0 <= port <= 65535:
+        raise InvalidRequest(f"a metrics port is from 0 to 65535, not {port!r}")
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import multiprocess
 

@@ -190,11 +190,6 @@ class Router:
             handoff_id, priority, deadline_ms, refused, deferred, int(config.route_age_step * 1000), since_ms,
         ]
 
-    async def unroute(self, canonical: str, handoff_id: str) -> None:
-        """Take back the entry a new request's ``route`` call queued when its record was
-        refused (it travels in the record's round trip): no handoff stands behind it."""
-        await self.unroute_many([(canonical, handoff_id)])
-
     async def unroute_many(self, items: Sequence[tuple[str, str]]) -> None:
         """Take (capability set, handoff id) entries out of their sets' queues, in one round
         trip: handoffs that will never be offered again (expired, or never created). Entries

@@ -121,13 +121,7 @@ class Sweeper:
                             log.warning("expiry sweep: a lapsed offer that cannot be routed again (%s)", exc)
                 if by_target:
                     await bus.settle_expired(by_target)
-                if unrouted:
-                    try:
-                        await bus.router.unroute_many(unrouted)
-                    except (RedisError, RedisClusterException, OSError) as exc:
-                        # left queued, they are dropped by the first pull that reads them
-                        log.warning("expiry sweep: could not take expired handoffs out of their "
-                                    "sets' queues (%s)", exc)
+                await bus.drop_routes(unrouted)
                 if lapsed:
                     await bus.router.reroute(lapsed)
             batch.clear()

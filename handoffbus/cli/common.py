@@ -29,7 +29,9 @@ from rich.console import Console
 from rich.table import Table
 
 from ..bus import HandoffBus
+from ..config import check_seconds
 from ..errors import AuthenticationFailed, HandoffbusError, InvalidName, InvalidRequest, ServerUnavailable
+from ..names import check_name
 from ..runtime import backend_options, freeze_startup
 
 __all__ = [
@@ -74,6 +76,18 @@ def usage_error(message: str) -> NoReturn:
     """Bad input: say why, exit 2."""
     errors.print(f"handoffbus: error: {message}")
     raise typer.Exit(EXIT_USAGE)
+
+
+def check_usage(agents: list[str] | None, durations: list[tuple[str, float, float]]) -> None:
+    """Agent ids and durations given on the command line, checked before anything runs (a
+    0 s refresh would spin; a malformed agent id would read as "no live worker")."""
+    try:
+        for name, value, least in durations:
+            check_seconds(name, value, least=least)
+        for agent in agents or []:
+            check_name(agent, "agent id")
+    except (InvalidRequest, InvalidName) as exc:
+        usage_error(str(exc))
 
 
 def open_bus(opts: Options, command: str, **settings: Any) -> HandoffBus:

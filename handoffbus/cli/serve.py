@@ -14,13 +14,24 @@ import anyio
 import typer
 
 from ..bus import HandoffBus
-from ..config import check_seconds
 from ..errors import HandoffbusError, InvalidName, InvalidRequest
 from ..logs import FORMAT
 from ..names import check_name, check_names
 from ..workers import Agent, Worker
 from ..workers.runner import MIN_RECLAIM_IDLE, serve_until_signalled
-from .common import EXIT_FAILED, EXIT_OK, Options, Prefix, RedisUrl, open_bus, options, run, serve, usage_error
+from .common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    Options,
+    Prefix,
+    RedisUrl,
+    check_usage,
+    open_bus,
+    options,
+    run,
+    serve,
+    usage_error,
+)
 
 __all__ = ["register"]
 
@@ -112,12 +123,8 @@ def worker(
         usage_error("--isolated serves one agent per process: its bus connects as that agent's user")
     if concurrency < 1:
         usage_error("--concurrency must be at least 1")
-    try:
-        check_seconds("--grace", grace, least=0.0)
-        check_seconds("--reclaim-idle", reclaim_idle, least=MIN_RECLAIM_IDLE)
-        check_seconds("--offer-time", offer_time)
-    except InvalidRequest as exc:
-        usage_error(str(exc))
+    check_usage(None, [("--grace", grace, 0.0), ("--reclaim-idle", reclaim_idle, MIN_RECLAIM_IDLE),
+                       ("--offer-time", offer_time, 0.001)])
     _logging()
     instances = [agent_class() for agent_class in classes] + sdk_agents
     registry = None
@@ -126,7 +133,7 @@ def worker(
 
         try:
             registry = serve_metrics(metrics_port, metrics_address)
-        except (HandoffbusError, OSError, OverflowError, ValueError) as exc:  # a port out of range too
+        except (HandoffbusError, OSError) as exc:
             usage_error(f"cannot serve metrics on {metrics_address}:{metrics_port}: {exc}")
     policy = None
     if scenario is not None:
@@ -250,7 +257,7 @@ def acl(
     """Print ACL SETUSER commands: a user per agent, the forwarder, a read-only monitor."""
     from ..acl import agent_user, forwarder_user, monitor_user, setuser_commands
     from ..config import BusConfig
-    from ..errors import InvalidName, InvalidRequest
+    from ..errors import InvalidName
 
     opts = options(ctx, prefix=prefix)
     try:
@@ -278,14 +285,11 @@ def exporter(
 
     opts = options(ctx, redis_url, prefix)
     opts.url("exporter")
-    try:
-        check_seconds("--interval", interval)  # 0 would spin
-    except InvalidRequest as exc:
-        usage_error(str(exc))
+    check_usage(None, [("--interval", interval, 0.001)])
     _logging()
     try:
         registry = serve_metrics(port, address)
-    except (HandoffbusError, OSError, OverflowError, ValueError) as exc:  # a port out of range too
+    except (HandoffbusError, OSError) as exc:
         usage_error(f"cannot serve metrics on {address}:{port}: {exc}")
     serve(_exporter, opts, registry, interval)
 

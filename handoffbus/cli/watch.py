@@ -14,10 +14,8 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from ..config import check_seconds
 from ..errors import InvalidName, InvalidRequest
 from ..monitor import AgentView, observe_agents
-from ..names import check_name
 from ..stats import AgentCounts, quantile
 from .common import (
     EXIT_FAILED,
@@ -27,6 +25,7 @@ from .common import (
     Prefix,
     RedisUrl,
     ago,
+    check_usage,
     console,
     emit_json,
     open_bus,
@@ -143,22 +142,10 @@ def top(
 ) -> None:
     """A live view of every agent: backlog, oldest ages, rates, latencies, live workers.
     Not on a terminal (or with --json), it prints one frame per refresh instead."""
-    _check_usage(agent, [("--interval", interval, 0.001)])
+    check_usage(agent, [("--interval", interval, 0.001)])
     if iterations < 0:
         usage_error("--iterations must be 0 (until Ctrl-C) or more")
     run(_top, options(ctx, redis_url, prefix, as_json), agent or None, interval, iterations)
-
-
-def _check_usage(agents: list[str] | None, durations: list[tuple[str, float, float]]) -> None:
-    """Agent ids and durations given on the command line, checked before anything runs (a
-    0 s refresh would spin; a malformed agent id would read as "no live worker")."""
-    try:
-        for name, value, least in durations:
-            check_seconds(name, value, least=least)
-        for agent in agents or []:
-            check_name(agent, "agent id")
-    except (InvalidRequest, InvalidName) as exc:
-        usage_error(str(exc))
 
 
 async def _top(opts: Options, agents: list[str] | None, interval: float, iterations: int) -> int:
@@ -201,7 +188,7 @@ def check(
 ) -> None:
     """Exit 0 when healthy, 1 when not (Redis out of reach included): for container probes."""
     opts = options(ctx, redis_url, prefix, as_json)
-    _check_usage(agent, [("--timeout", timeout, 0.001), ("--max-backlog-age", max_backlog_age, 0.0)])
+    check_usage(agent, [("--timeout", timeout, 0.001), ("--max-backlog-age", max_backlog_age, 0.0)])
     try:
         run(_check, opts, agent or [], max_backlog_age, timeout)
     except typer.Exit as done:

@@ -22,28 +22,32 @@ local now = string.format('%.0f', tonumber(t[1]) * 1000 + math.floor(tonumber(t[
 
 local band_size = 4398046511104  -- 2^42: a score is priority * 2^42 + sequence (see enqueue-5.lua)
 local bands = tonumber(ARGV[1])
-local heads, from, last_band, walked_all = {}, '-inf', nil, false
--- the lowest bands, upwards
-for _ = 1, bands do
-  local found = redis.call('ZRANGEBYSCORE', KEYS[1], from, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-  if not found[1] then walked_all = true break end
+local heads = {}
+-- the first queued handoff at or above `score`, added to heads; its band, or nil if none
+local function head_from(score)
+  local found = redis.call('ZRANGEBYSCORE', KEYS[1], score, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  if not found[1] then return nil end
   heads[#heads + 1] = found[1]
   heads[#heads + 1] = found[2]
-  last_band = math.floor(tonumber(found[2]) / band_size)
+  return math.floor(tonumber(found[2]) / band_size)
+end
+-- the lowest bands, upwards (last_band: the highest walked; nil once every band was)
+local from, last_band = '-inf', nil
+for _ = 1, bands do
+  last_band = head_from(from)
+  if not last_band then break end
   from = string.format('%.0f', (last_band + 1) * band_size)
 end
 -- the highest bands, downwards, until they meet the ones walked upwards (ZRANGE BYSCORE REV: the
 -- ACL users of `handoffbus acl` may run ZRANGE, not ZREVRANGEBYSCORE)
 local to = '+inf'
-for _ = 1, (walked_all or not last_band) and 0 or bands do
+for _ = 1, last_band and bands or 0 do
   local top = redis.call('ZRANGE', KEYS[1], to, '-inf', 'BYSCORE', 'REV', 'LIMIT', 0, 1, 'WITHSCORES')
   if not top[1] then break end
   local band = math.floor(tonumber(top[2]) / band_size)
   if band <= last_band then break end
   local start = string.format('%.0f', band * band_size)
-  local found = redis.call('ZRANGEBYSCORE', KEYS[1], start, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-  heads[#heads + 1] = found[1]
-  heads[#heads + 1] = found[2]
+  head_from(start)
   to = '(' .. start
 end
 return {queued, inflight, oldest, now, redis.call('HGETALL', KEYS[6]), heads}

@@ -53,8 +53,11 @@ class HandoffPolicy:
         input_filters: Sequence[InputFilter] = (),
         offload_over: int | None = None,
     ) -> None:
-        for name, value in (("max_depth", max_depth), ("max_visits", max_visits), ("offload_over", offload_over)):
-            if not (value is None and name == "offload_over") and (type(value) is not int or value < 1):
+        numbers = [("max_depth", max_depth), ("max_visits", max_visits)]
+        if offload_over is not None:
+            numbers.append(("offload_over", offload_over))
+        for name, value in numbers:
+            if type(value) is not int or value < 1:
                 raise InvalidRequest(f"HandoffPolicy.{name} must be an int of at least 1, not {value!r}")
         if cycles not in ("refuse", "allow"):
             raise InvalidRequest(f"HandoffPolicy.cycles must be 'refuse' or 'allow', not {cycles!r}")

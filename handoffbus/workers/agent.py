@@ -109,9 +109,9 @@ class RetryPolicy(msgspec.Struct, frozen=True, kw_only=True):
 
     def delay_before(self, attempt: int) -> float:
         """Seconds to wait before the run after ``attempt``."""
-        try:  # a float power, its exponent bounded: a large attempt number costs nothing
-            grown = self.delay * float(self.backoff) ** min(attempt - 1, 4096)
-        except OverflowError:
+        try:
+            grown = self.delay * float(self.backoff) ** (attempt - 1)
+        except OverflowError:  # past any max_delay
             grown = math.inf if self.delay else 0.0
         base = min(self.max_delay, grown)
         return base * (1 - self.jitter * random.random())

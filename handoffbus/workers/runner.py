@@ -25,12 +25,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import msgspec
 from anyio.abc import TaskStatus
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, RedisError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError, ResponseError
 
 from .. import tracing
-from ..backoff import Backoff
+from ..backoff import LOST_CONNECTION, Backoff
 from ..client import rejection_fields
 from ..config import check_seconds
 from ..errors import (
@@ -69,9 +67,6 @@ SETTLE_DELAY = 0.02
 SETTLE_WAIT = 10.0
 #: the shortest reclaim time a worker takes (seconds)
 MIN_RECLAIM_IDLE = 0.01
-#: Redis out of reach for now: a lost connection, a timeout, a failover's READONLY (OSError
-#: covers sockets; a forwarder's refusal, a PermissionError, is caught before it)
-_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OSError)
 T = TypeVar("T")
 
 
@@ -654,7 +649,7 @@ class Worker:
                 return await call()
             except PermissionError:  # refused (a forwarder's CallRefused): no retry changes that
                 raise
-            except _UNREACHABLE as exc:
+            except LOST_CONNECTION as exc:
                 delay = backoff.delay()
                 self._log.warning("%s: %s of %s not answered (%s); retrying in %.2fs", self.consumer, what, hid, exc,
                                   delay, extra={"handoff_id": hid})
@@ -673,7 +668,7 @@ class Worker:
             row = await self.bus.script("load", [keys.record, keys.envelope], [0])  # a large envelope left out
         except PermissionError:
             raise
-        except _UNREACHABLE as exc:
+        except LOST_CONNECTION as exc:
             self._log.warning("%s: heartbeat of %s not answered (%s); the handler goes on", self.consumer, hid, exc,
                               extra={"handoff_id": hid})
             return
