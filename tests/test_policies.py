@@ -114,6 +114,30 @@ async def test_a_filter_that_returns_no_context_is_a_typed_error(real_backend: s
         await transfer_tools([TransferTarget(agent="a-1", is_enabled="yes")])
 
 
+async def test_a_context_the_policy_cannot_read_is_refused_not_sent_unshaped(
+        real_backend: str, servers: dict) -> None:
+    """A policy that shapes contexts fails closed: a context it cannot decode (here an
+    assistant tool-call turn with content null, which sw4rm's schema does not allow) would
+    otherwise skip its filters and reach the target whole. A policy that shapes nothing
+    passes opaque contexts on as sent, and leaves their keys alone."""
+    turns = [{"role": "system", "content": "internal prompt"}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}]
+    raw = json.dumps({"conversation_history": turns, "tool_state": {"_secret": 1}, "metadata": {}}).encode()
+    shaping = HandoffPolicy(context=ContextPolicy(max_history=1), input_filters=[remove_all_tools])
+    async with make_bus(real_backend, servers, policy=shaping) as bus:
+        with pytest.raises(InvalidRequest, match="not a sw4rm context"):
+            await bus.client("req").request_handoff(req("req", "w-1", context_snapshot=raw))
+        assert await bus.client("w-1").get_pending_handoffs() == []
+    readable = serialize_context(HandoffContext(
+        conversation_history=[ConversationEntry(role="user", content="hi")], tool_state={"_id": 7, "success": 1}))
+    async with make_bus(real_backend, servers, policy=HandoffPolicy(max_depth=4)) as bus:
+        client = bus.client("req")
+        for snapshot in (raw, readable):
+            handle = await client.request_handoff(req("req", "w-1", context_snapshot=snapshot))
+            record = await client.get_handoff_status(handle.handoff_id)
+            assert record.request.context_snapshot == snapshot  # no scenario, no shaping: as sent
+
+
 class ContextReader(Agent):
     agent_id = "reader-1"
 

@@ -105,6 +105,26 @@ def test_resolution_renders_context_vars_in_the_sandbox(caplog: pytest.LogCaptur
     assert s.resolve("InvestmentAdvisor", "CardRecommendation") is None  # no such route
 
 
+def test_the_scenario_formats_defaults_and_template_vars() -> None:
+    s = banking()
+    # an edge without share_context shares the conversation, as the scenario format says
+    card = s.resolve("Concierge", "CardRecommendation")
+    assert card is not None and card.share_context is True
+    auth = s.resolve("Concierge", "AuthAgent")
+    assert auth is not None and auth.share_context is False  # said so on the edge
+    # template_vars are global variables; the caller's own win
+    vars_ = Scenario.from_yaml("""
+name: t
+start_agent: A
+agents: [A, B]
+template_vars: {desk: private, tier: gold}
+handoffs:
+  - {from_agent: A, to_agent: B, context_vars: {where: "{{ desk }}/{{ tier }}"}}
+""")
+    resolved = vars_.resolve("A", "B", variables={"tier": "platinum"})
+    assert resolved is not None and resolved.context_vars == {"where": "private/platinum"}
+
+
 def test_returns_and_announced_greetings() -> None:
     s = banking()
     first = s.resolve("Concierge", "AuthAgent", visited=["Concierge"])
@@ -122,10 +142,13 @@ def test_handoff_conditions_become_instructions() -> None:
     assert banking().instructions("CardRecommendation") == ""  # its route has no condition
 
 
-def test_control_flags_are_sanitised_out() -> None:
+def test_control_flags_are_sanitised_out_of_the_top_level_only() -> None:
     shared = {"handoff_reason": "r", "greet_on_switch": True, "_internal": 1, "hb.hops": ["x"],
-              "profile": {"name": "ada", "handoff_type": "announced", "nested": [{"system_vars": {}, "ok": 1}]}}
-    assert sanitize_shared_context(shared) == {"handoff_reason": "r", "profile": {"name": "ada", "nested": [{"ok": 1}]}}
+              "should_interrupt_playback": True, "session_overrides": {"greeting": "hi"}, "handoff_summary": "s",
+              "profile": {"name": "ada", "_id": 7, "nested": [{"tool_name": "lookup", "ok": 1}]}}
+    # the voice-agent service's flags go too; the same names inside the data are the data
+    assert sanitize_shared_context(shared) == {
+        "handoff_reason": "r", "profile": {"name": "ada", "_id": 7, "nested": [{"tool_name": "lookup", "ok": 1}]}}
 
 
 # ---------------------------------------------------------------------- on the bus

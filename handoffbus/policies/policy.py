@@ -12,9 +12,11 @@ For each request, in this order:
    (announced or discrete), the greeting the target says on arrival (none when discrete; the
    return greeting when the conversation was with the target before), whether the context is
    shared, and the rendered ``context_vars``.
-4. **The context.** Control flags are sanitised out of its metadata and tool state. A route
-   that does not share context passes only the last user message and the reason. The
-   context policy and input filters apply, and large content goes out of band (blobs.py).
+4. **The context.** On a scenario's route, control flags are sanitised out of its metadata
+   and tool state, and a route that does not share context passes only the last user message
+   and the reason. The context policy and input filters apply, and large content goes out of
+   band (blobs.py). A context this step would change must be a sw4rm context: any other is
+   refused (``InvalidRequest``), never passed on unshaped.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 
 from ..context import HandoffContext, deserialize_context, serialize_context
-from ..errors import HandoffbusError, InvalidRequest, RouteRefused
+from ..errors import DecodeError, InvalidRequest, PayloadTooLarge, RouteRefused
 from ..models import HandoffRequest
 from .blobs import offload
 from .context import ContextPolicy, InputFilter, apply_context_policy
 from .guards import check_hops, hops_of
-from .scenario import Scenario, sanitize_shared_context
+from .scenario import HandoffResolution, Scenario, sanitize_shared_context
 
 if TYPE_CHECKING:
     from ..bus import HandoffBus
@@ -98,7 +100,6 @@ class HandoffPolicy:
         """The request as it is to be sent (steps 1 to 4); raises ``RouteRefused`` first."""
         self.check(request, handoff_id)
         metadata = dict(request.metadata)
-        share = True
         scenario = self.scenario
         resolution = None
         if scenario is not None and request.to_agent and scenario.route(request.from_agent, request.to_agent):
@@ -106,25 +107,34 @@ class HandoffPolicy:
             resolution = scenario.resolve(request.from_agent, request.to_agent, visited=visited, variables={
                 "handoff_reason": request.reason, **(variables or {})})
         if resolution is not None:
-            share = resolution.share_context
             metadata[RESOLUTION_KEY] = msgspec.to_builtins(resolution)
         snapshot = request.context_snapshot
-        if snapshot is not None:
+        if snapshot is not None and (resolution is not None or self.shapes_context):
             try:
                 context = deserialize_context(snapshot, limit=bus.config.payload_limit)
-            except HandoffbusError:
-                context = None  # not a sw4rm context: passed on as sent
-            if context is not None:
-                context = await self._shape(bus, request, context, share)
-                snapshot = serialize_context(context)
+            except PayloadTooLarge:
+                raise
+            except DecodeError as exc:
+                # fail closed: passed on as sent, it would skip the sharing rule and every filter
+                raise InvalidRequest(f"handoff {handoff_id}: the policy shapes contexts, and this one is not a "
+                                     f"sw4rm context it can read ({exc})") from None
+            context = await self._shape(bus, request, context, resolution)
+            snapshot = serialize_context(context)
         return msgspec.structs.replace(request, metadata=metadata, context_snapshot=snapshot)
 
+    @property
+    def shapes_context(self) -> bool:
+        """Whether this policy changes contexts whatever the route (an opaque one is then refused;
+        with none of these, only a scenario's resolution reads the context)."""
+        return self.context is not None or bool(self.input_filters) or self.offload_over is not None
+
     async def _shape(self, bus: HandoffBus, request: HandoffRequest, context: HandoffContext,
-                     share: bool) -> HandoffContext:
-        context = msgspec.structs.replace(
-            context, metadata=sanitize_shared_context(context.metadata),
-            tool_state=sanitize_shared_context(context.tool_state))
-        if not share:
+                     resolution: HandoffResolution | None) -> HandoffContext:
+        if resolution is not None:  # a scenario's handoff: its control flags stay behind
+            context = msgspec.structs.replace(
+                context, metadata=sanitize_shared_context(context.metadata),
+                tool_state=sanitize_shared_context(context.tool_state))
+        if resolution is not None and not resolution.share_context:
             last_user = [e for e in context.conversation_history if e.role == "user"][-1:]
             context = HandoffContext(conversation_history=last_user,
                                      metadata={"handoff_reason": request.reason})

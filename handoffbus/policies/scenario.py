@@ -30,10 +30,12 @@ log = logging.getLogger("handoffbus")
 
 HandoffType = Literal["announced", "discrete"]
 #: keys of a shared context that steer the handoff itself and must not reach the target's
-#: conversation (besides any key starting with "_" or "hb.")
+#: conversation (besides any key starting with "_" or "hb."): the resolution's own fields, and
+#: the flags a handoff tool's result carries (the voice-agent service's _HANDOFF_CONTROL_FLAGS)
 CONTROL_KEYS = frozenset({
     "greet_on_switch", "handoff_type", "share_context", "target_agent", "source_agent", "is_return",
     "system_vars", "tool_name", "greeting", "return_greeting",
+    "success", "handoff", "message", "handoff_summary", "should_interrupt_playback", "session_overrides",
 })
 
 
@@ -57,7 +59,8 @@ class Route(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     to_agent: str
     #: None: the scenario's default ``handoff_type``
     type: HandoffType | None = None
-    share_context: bool = False
+    #: the conversation goes along (the scenario format's default); false: only the last user message
+    share_context: bool = True
     handoff_condition: str = ""
     #: name -> Jinja2 template, rendered when the handoff is made
     context_vars: dict[str, str] = {}
@@ -92,6 +95,8 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     handoff_type: HandoffType = "announced"
     handoffs: list[Route] = []
     agent_defaults: dict[str, Any] = {}
+    #: global template variables, for every edge's ``context_vars``
+    template_vars: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
         names = [a if isinstance(a, str) else a.name for a in self.agents]
@@ -196,7 +201,8 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             source_agent=from_agent, target_agent=to_agent, handoff_type=handoff_type,
             share_context=route.share_context, is_return=is_return,
             greeting=self.select_greeting(to_agent, is_return=is_return, handoff_type=handoff_type, override=greeting),
-            context_vars=render_context_vars(route.context_vars, {**self.agent_defaults, **(variables or {})}),
+            context_vars=render_context_vars(
+                route.context_vars, {**self.agent_defaults, **self.template_vars, **(variables or {})}),
         )
 
 
@@ -236,15 +242,7 @@ def _sandbox() -> Any:
 
 def sanitize_shared_context(shared: Mapping[str, Any]) -> dict[str, Any]:
     """A shared context without the keys that steer the handoff itself (``CONTROL_KEYS``, and
-    any key starting with ``_`` or ``hb.``), at every level of nesting."""
-
-    def clean(value: Any) -> Any:
-        if isinstance(value, Mapping):
-            return {k: clean(v) for k, v in value.items()
-                    if not (isinstance(k, str) and (k in CONTROL_KEYS or k.startswith(("_", "hb."))))}
-        if isinstance(value, list):
-            return [clean(v) for v in value]
-        return value
-
-    cleaned: dict[str, Any] = clean(shared)
-    return cleaned
+    any key starting with ``_`` or ``hb.``). Top level only: the flags sit beside the data, and
+    the same names inside it (a call's ``tool_name``, a record's ``_id``) are the data."""
+    return {k: v for k, v in shared.items()
+            if not (isinstance(k, str) and (k in CONTROL_KEYS or k.startswith(("_", "hb."))))}
