@@ -10,6 +10,14 @@
 | FAILED | ``failed`` | |
 | EXPIRED | ``failed`` | A2A has no expiry: ``metadata["handoffbus.status"] = "EXPIRED"`` and the reason say so |
 
+``a2a_task`` gives a completed handoff's result as one artifact part: a dict as a ``data``
+part, ``bytes`` as a ``file`` part (base64, ``application/octet-stream``), a str as a ``text``
+part, and any other value as a ``text`` part of JSON (``metadata.mimeType`` says
+``application/json``). A2A's JSON has no bytes: bytes inside a dict or list go as base64
+strings, and the part's ``metadata["handoffbus.base64"]`` lists where (JSON Pointers). A
+result JSON cannot hold otherwise (a NaN, a datetime, a key that is not text) raises
+``EncodeError``.
+
 ``agent_card`` describes a registered agent as an A2A Agent Card: each capability is a
 skill. handoffbus has no HTTP endpoint of its own, so the caller gives the URL at which it
 exposes the agent (a gateway).
@@ -17,9 +25,12 @@ exposes the agent (a gateway).
 
 from __future__ import annotations
 
+import base64
+import json
 from datetime import UTC, datetime
 from typing import Any
 
+from .errors import EncodeError
 from .models import AgentInfo, HandoffRecord, HandoffStatus
 
 __all__ = ["A2A_PROTOCOL_VERSION", "A2A_STATES", "a2a_state", "a2a_task", "agent_card", "utc_iso"]
@@ -49,8 +60,49 @@ def utc_iso(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+def _base64(data: bytes | bytearray | memoryview) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _pointer_token(key: Any) -> str:
+    # a key as JSON writes it (1 -> "1", True -> "true"), escaped as RFC 6901 says
+    text = key if isinstance(key, str) else json.dumps(key)
+    return text.replace("~", "~0").replace("/", "~1")
+
+
+def _without_bytes(value: Any, pointer: str, found: list[str]) -> Any:
+    """``value`` with the bytes in it as base64 strings; their JSON Pointers go in ``found``."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        found.append(pointer)
+        return _base64(value)
+    if isinstance(value, dict):
+        return {k: _without_bytes(v, f"{pointer}/{_pointer_token(k)}", found) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_without_bytes(v, f"{pointer}/{i}", found) for i, v in enumerate(value)]
+    return value
+
+
+def _result_part(handoff_id: str, result: Any) -> dict[str, Any]:
+    """A result as an A2A part (see the module's docstring)."""
+    if isinstance(result, bytes | bytearray | memoryview):
+        return {"kind": "file", "file": {"bytes": _base64(result), "mimeType": "application/octet-stream"}}
+    if isinstance(result, str):
+        return {"kind": "text", "text": result}
+    found: list[str] = []
+    try:
+        text = json.dumps(_without_bytes(result, "", found), allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise EncodeError(f"the result of handoff {handoff_id!r} cannot be given as A2A JSON: {exc}") from None
+    metadata: dict[str, Any] = {"handoffbus.base64": found} if found else {}
+    if isinstance(result, dict):
+        # read back from the JSON, so the part is exactly what is sent (int keys become text)
+        return {"kind": "data", "data": json.loads(text), **({"metadata": metadata} if metadata else {})}
+    return {"kind": "text", "text": text, "metadata": {"mimeType": "application/json", **metadata}}
+
+
 def a2a_task(record: HandoffRecord) -> dict[str, Any]:
-    """A handoff as an A2A Task object (its history as status updates, its result as an artifact)."""
+    """A handoff as an A2A Task object (its history as status updates, its result as an artifact).
+    Raises ``EncodeError`` for a result JSON cannot hold."""
     state, metadata = a2a_state(record.status)
     response = record.response
     if response.rejection_code or response.rejection_reason:
@@ -70,8 +122,7 @@ def a2a_task(record: HandoffRecord) -> dict[str, Any]:
     }
     if record.status is HandoffStatus.COMPLETED and response.result is not None:
         task["artifacts"] = [{"artifactId": f"{record.handoff_id}/result",
-                              "parts": [{"kind": "data", "data": response.result} if isinstance(response.result, dict)
-                                        else {"kind": "text", "text": str(response.result)}]}]
+                              "parts": [_result_part(record.handoff_id, response.result)]}]
     return task
 
 

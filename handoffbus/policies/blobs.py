@@ -8,11 +8,12 @@ place: ``{"$hb_blob": key, "size": n, "sha256": ..., "kind": "str"|"bytes"}``.
 ``restore`` puts the content back on the receiving side.
 
 What goes out: ``bytes`` anywhere in the tool state (JSON cannot hold them), and any string
-in the tool state or message content longer than the threshold. The content is stored once
-per digest, so the same content sent twice costs one key. That key lives as long as the
-longest lifetime any of its handoffs asked for: a later offload of the same content with a
-shorter ``ttl`` never shortens it (Redis >= 7.0's ``PEXPIRE ... GT``). A reference whose key
-has expired raises ``DecodeError`` when it is restored.
+in the tool state or message content longer than the threshold, which counts UTF-8 bytes,
+not characters. The content is stored once per digest, so the same content sent twice
+costs one key. That key lives as long as the longest lifetime any of its handoffs asked
+for: a later offload of the same content with a shorter ``ttl`` never shortens it (Redis
+>= 7.0's ``PEXPIRE ... GT``). A reference whose key has expired raises ``DecodeError`` when
+it is restored.
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ def _ref(bus: HandoffBus, requester: str, data: bytes, kind: str, found: dict[st
     return {BLOB_REF: key, "size": len(data), "sha256": digest, "kind": kind}
 
 
+def _utf8_over(text: str, threshold: int) -> bytes | None:
+    """``text`` as UTF-8 when that is longer than ``threshold`` bytes, else None. The threshold
+    is in bytes, as the stored content is: a character may take up to four."""
+    if len(text) * 4 <= threshold:  # cannot be over: spare encoding every short string
+        return None
+    data = text.encode()
+    return data if len(data) > threshold else None
+
+
 async def offload(bus: HandoffBus, requester: str, context: HandoffContext, *, threshold: int = 64 * 1024,
                   ttl: float | None = None) -> HandoffContext:
     """``context`` with its large and binary content moved to blob keys (written now, living
@@ -58,8 +68,8 @@ async def offload(bus: HandoffBus, requester: str, context: HandoffContext, *, t
     def walk(value: Any) -> Any:
         if isinstance(value, bytes | bytearray | memoryview):
             return _ref(bus, requester, bytes(value), "bytes", found)
-        if isinstance(value, str) and len(value) > threshold:
-            return _ref(bus, requester, value.encode(), "str", found)
+        if isinstance(value, str) and (data := _utf8_over(value, threshold)) is not None:
+            return _ref(bus, requester, data, "str", found)
         if isinstance(value, dict):
             return {k: walk(v) for k, v in value.items()}
         if isinstance(value, list | tuple):
@@ -68,8 +78,9 @@ async def offload(bus: HandoffBus, requester: str, context: HandoffContext, *, t
 
     history = []
     for entry in context.conversation_history:
-        if len(entry.content) > threshold:
-            ref = _ref(bus, requester, entry.content.encode(), "str", found)
+        content = _utf8_over(entry.content, threshold)
+        if content is not None:
+            ref = _ref(bus, requester, content, "str", found)
             entry = msgspec.structs.replace(entry, content="", extra={**entry.extra, ENTRY_REF: ref})
         history.append(entry)
     offloaded = msgspec.structs.replace(context, conversation_history=history, tool_state=walk(context.tool_state))

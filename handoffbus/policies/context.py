@@ -17,7 +17,7 @@ Large content goes out of band, into a key of its own: see ``blobs.py``.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -50,13 +50,38 @@ class ContextPolicy(msgspec.Struct, frozen=True, kw_only=True):
                                  f"not {self.max_history!r}")
 
 
-def _is_tool_call(entry: ConversationEntry) -> bool:
-    return entry.role == "assistant" and bool(entry.extra.get("tool_calls"))
+#: the extra fields of a message that are its tool calls (chat completions, and its legacy form)
+_TOOL_CALL_FIELDS = ("tool_calls", "function_call")
+
+
+def _entries(context: HandoffContext) -> list[ConversationEntry]:
+    """The history as entries: sw4rm-style plain dicts, which ``serialize_context`` accepts,
+    are converted (``DecodeError`` if one is not a valid entry)."""
+    entries = []
+    for entry in context.conversation_history:
+        if isinstance(entry, Mapping):
+            entry = ConversationEntry.from_dict(entry)
+        elif not isinstance(entry, ConversationEntry):
+            raise InvalidRequest(f"conversation entries must be ConversationEntry or dict, not "
+                                 f"{type(entry).__name__}")
+        entries.append(entry)
+    return entries
+
+
+def _without_tool_calls(entry: ConversationEntry) -> ConversationEntry | None:
+    """``entry`` with its tool calls taken out; None when nothing else was in it."""
+    if not any(k in entry.extra for k in _TOOL_CALL_FIELDS):
+        return entry
+    if any(entry.extra.get(k) for k in _TOOL_CALL_FIELDS) and not entry.content.strip():
+        return None  # the message was only its tool calls
+    extra = {k: v for k, v in entry.extra.items() if k not in _TOOL_CALL_FIELDS}
+    return msgspec.structs.replace(entry, extra=extra)
 
 
 def remove_all_tools(context: HandoffContext) -> HandoffContext:
-    """An input filter: no tool calls, no tool results, no tool state."""
-    kept = [e for e in context.conversation_history if e.role != "tool" and not _is_tool_call(e)]
+    """An input filter: no tool calls, no tool results, no tool state. A message that made a
+    tool call keeps its own text."""
+    kept = [e for e in map(_without_tool_calls, _entries(context)) if e is not None and e.role != "tool"]
     return msgspec.structs.replace(context, conversation_history=kept, tool_state={})
 
 
@@ -64,12 +89,13 @@ async def apply_context_policy(context: HandoffContext, policy: ContextPolicy | 
                                filters: Sequence[InputFilter] = ()) -> HandoffContext:
     """``context`` as the policy and then the filters let it cross."""
     policy = policy or ContextPolicy()
-    history = list(context.conversation_history)
+    history = _entries(context)
     metadata: dict[str, Any] = dict(context.metadata)
     if not policy.preserve_history:
-        last_user = [e for e in history if e.role == "user"][-1:]
-        system = [e for e in history if e.role == "system"] if policy.transfer_system_message else []
-        history = system + last_user
+        # kept where they were: a system message after the last user message stays after it
+        last_user = max((i for i, e in enumerate(history) if e.role == "user"), default=-1)
+        history = [e for i, e in enumerate(history)
+                   if i == last_user or (e.role == "system" and policy.transfer_system_message)]
     if not policy.transfer_system_message:
         history = [e for e in history if e.role != "system"]
     if policy.drop_tool_results:

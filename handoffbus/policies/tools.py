@@ -119,17 +119,40 @@ async def _enabled(flag: Any, run_context: Any) -> bool:
     return bool(value)
 
 
+_SEND_AN_OBJECT = 'send an object like {"target_agent": "...", "reason": "..."}'
+
+
+def _arguments(name: str, arguments: object) -> Any:
+    """A tool call's arguments decoded, or a ``ToolCallError`` the model can act on."""
+    if isinstance(arguments, Mapping):
+        return dict(arguments)
+    if isinstance(arguments, bytes | bytearray):
+        try:
+            arguments = arguments.decode()
+        except UnicodeDecodeError:
+            raise ToolCallError(f"the arguments of {name} are not UTF-8 text; {_SEND_AN_OBJECT}") from None
+    if not isinstance(arguments, str):
+        raise ToolCallError(f"the arguments of {name} are missing or not JSON text "
+                            f"({type(arguments).__name__}); {_SEND_AN_OBJECT}")
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError as exc:
+        raise ToolCallError(f"the arguments of {name} are not valid JSON ({exc.msg}); {_SEND_AN_OBJECT}") from None
+    except RecursionError:  # a truncated or runaway nesting of arrays or objects
+        raise ToolCallError(f"the arguments of {name} are nested too deeply; {_SEND_AN_OBJECT}") from None
+    except ValueError:  # JSON that parses but is refused: an int of more than 4300 digits
+        raise ToolCallError(f"the arguments of {name} hold a number too long to read; {_SEND_AN_OBJECT}") from None
+
+
 async def request_from_tool_call(
-    name: str, arguments: str | Mapping[str, Any], *, from_agent: str, scenario: Scenario | None = None,
-    targets: Sequence[TransferTarget] = (), run_context: Any = None, **request: Any,
+    name: str, arguments: str | bytes | bytearray | Mapping[str, Any], *, from_agent: str,
+    scenario: Scenario | None = None, targets: Sequence[TransferTarget] = (), run_context: Any = None,
+    **request: Any,
 ) -> HandoffRequest:
     """The ``HandoffRequest`` a model's call of ``handoff_to_agent`` or ``transfer_to_<agent>``
-    asks for (``request`` adds fields such as ``context_snapshot`` or ``priority``)."""
-    try:
-        args = json.loads(arguments) if isinstance(arguments, str) else dict(arguments)
-    except json.JSONDecodeError as exc:
-        raise ToolCallError(f"the arguments of {name} are not valid JSON ({exc.msg}); send an object "
-                            'like {"target_agent": "...", "reason": "..."}') from None
+    asks for (``arguments``: a JSON object as text, UTF-8 bytes or a mapping; ``request`` adds
+    fields such as ``context_snapshot`` or ``priority``)."""
+    args = _arguments(name, arguments)
     if not isinstance(args, dict):
         raise ToolCallError(f"the arguments of {name} must be a JSON object")
     reason = args.get("reason", "")
