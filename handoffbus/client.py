@@ -31,6 +31,7 @@ from .models import (
     PendingHandoff,
 )
 from .names import check_name, check_names, join_handoff_id, split_handoff_id
+from .policies.context import without_history
 from .records import response_from_reply
 from .routing import Call, Directory, capability_set, refusal_response, set_id
 from .scripts import STAGE_OVER, STAGED_TTL_MS
@@ -175,6 +176,9 @@ class HandoffClient:
         if not request.to_agent and fail_fast and self._bus.isolated is not None:
             raise InvalidRequest("fail_fast needs the live agents, which an isolated agent cannot read")
         handoff_id = join_handoff_id(self.agent_id, request.request_id)
+        if not request.preserve_history and request.context_snapshot is not None:
+            request = msgspec.structs.replace(request, context_snapshot=await without_history(
+                request.context_snapshot, limit=self._bus.config.payload_limit))
         if self._bus.policy is not None:
             request = await self._bus.policy.prepare(self._bus, request, handoff_id, variables)
         if not tracing.active():  # the common case: nothing to record, nothing to carry

@@ -138,6 +138,27 @@ async def test_a_context_the_policy_cannot_read_is_refused_not_sent_unshaped(
             assert record.request.context_snapshot == snapshot  # no scenario, no shaping: as sent
 
 
+async def test_a_request_without_history_carries_only_the_last_user_message(
+        real_backend: str, servers: dict) -> None:
+    """sw4rm's ``preserve_history=False`` on the request itself, with no policy on the bus: the
+    history stays behind but for the system messages and the last user message. A context
+    it cannot trim is refused rather than sent whole."""
+    context = serialize_context(HandoffContext(conversation_history=[
+        ConversationEntry(role="system", content="be brief"), ConversationEntry(role="user", content="q1"),
+        ConversationEntry(role="assistant", content="a1"), ConversationEntry(role="user", content="q2")]))
+    async with make_bus(real_backend, servers) as bus:
+        client = bus.client("req")
+        kept = await client.request_handoff(req("req", "w-1", context_snapshot=context, preserve_history=False))
+        whole = await client.request_handoff(req("req", "w-1", context_snapshot=context))
+        sent = [(await client.get_handoff_status(h.handoff_id)).request.context_snapshot for h in (kept, whole)]
+        assert [(e.role, e.content) for e in deserialize_context(sent[0]).conversation_history] == \
+            [("system", "be brief"), ("user", "q2")]
+        assert sent[1] == context
+        with pytest.raises(InvalidRequest, match="preserve_history=False shapes this context"):
+            await client.request_handoff(req("req", "w-1", context_snapshot=b"opaque", preserve_history=False))
+        assert len(await bus.client("w-1").get_pending_handoffs()) == 2
+
+
 class ContextReader(Agent):
     agent_id = "reader-1"
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import msgspec
 
-from ..context import ConversationEntry, HandoffContext
-from ..errors import InvalidRequest
+from ..context import ConversationEntry, HandoffContext, deserialize_context, serialize_context
+from ..errors import DecodeError, InvalidRequest, PayloadTooLarge
 
 __all__ = ["ContextPolicy", "InputFilter", "InvalidHook", "apply_context_policy", "remove_all_tools"]
 
@@ -113,3 +113,25 @@ async def apply_context_policy(context: HandoffContext, policy: ContextPolicy | 
             raise InvalidHook(f"input filter {each!r} returned {type(filtered).__name__}, not HandoffContext")
         result = filtered
     return result
+
+
+def context_to_shape(snapshot: bytes, *, limit: int, shaper: str) -> HandoffContext:
+    """A context that ``shaper`` is to change, decoded. One that is not a sw4rm context raises
+    ``InvalidRequest``: shaping fails closed, as sent it would go whole."""
+    try:
+        return deserialize_context(snapshot, limit=limit)
+    except PayloadTooLarge:
+        raise
+    except DecodeError as exc:
+        raise InvalidRequest(f"{shaper} shapes this context, and it is not a sw4rm context ({exc})") from None
+
+
+#: what ``HandoffRequest.preserve_history=False`` asks of the context it carries
+WITHOUT_HISTORY = ContextPolicy(preserve_history=False)
+
+
+async def without_history(snapshot: bytes, *, limit: int) -> bytes:
+    """A request's context when it says ``preserve_history=False`` (sw4rm's field): only the
+    last user message and the system messages go."""
+    context = context_to_shape(snapshot, limit=limit, shaper="preserve_history=False")
+    return serialize_context(await apply_context_policy(context, WITHOUT_HISTORY))

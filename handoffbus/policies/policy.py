@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from ..context import HandoffContext, deserialize_context, serialize_context
-from ..errors import DecodeError, InvalidRequest, PayloadTooLarge, RouteRefused
+from ..context import HandoffContext, serialize_context
+from ..errors import InvalidRequest, RouteRefused
 from ..models import HandoffRequest
 from .blobs import offload
-from .context import ContextPolicy, InputFilter, apply_context_policy
+from .context import ContextPolicy, InputFilter, apply_context_policy, context_to_shape
 from .guards import check_hops, hops_of
 from .scenario import HandoffResolution, Scenario, sanitize_shared_context
 
@@ -110,14 +110,8 @@ class HandoffPolicy:
             metadata[RESOLUTION_KEY] = msgspec.to_builtins(resolution)
         snapshot = request.context_snapshot
         if snapshot is not None and (resolution is not None or self.shapes_context):
-            try:
-                context = deserialize_context(snapshot, limit=bus.config.payload_limit)
-            except PayloadTooLarge:
-                raise
-            except DecodeError as exc:
-                # fail closed: passed on as sent, it would skip the sharing rule and every filter
-                raise InvalidRequest(f"handoff {handoff_id}: the policy shapes contexts, and this one is not a "
-                                     f"sw4rm context it can read ({exc})") from None
+            context = context_to_shape(snapshot, limit=bus.config.payload_limit,
+                                       shaper=f"handoff {handoff_id}'s policy")
             context = await self._shape(bus, request, context, resolution)
             snapshot = serialize_context(context)
         return msgspec.structs.replace(request, metadata=metadata, context_snapshot=snapshot)
