@@ -5,7 +5,8 @@
 
   KEYS[1] queue   KEYS[2] inbox   KEYS[3] in-flight index   KEYS[4] sequence   KEYS[5] doorbell
   ARGV[1] consumer group   ARGV[2] consumer name   ARGV[3] count
-  ARGV[4..] handoff ids to settle first (acknowledged and deleted from the inbox)
+  ARGV[4..] handoff ids to settle first (acknowledged and deleted from the inbox, and out of
+            the in-flight index and the queue: see settle in includes/queue.lua)
 
   Returns {doorbell last id, handoff id, inbox entry id, ...} in serving order. When nothing
   was taken, block on KEYS[5] after the returned id: a later enqueue wakes the caller.
