@@ -26,7 +26,7 @@ from .models import HandoffRecord
 from .names import split_handoff_id
 from .plainreads import load_rows, refuses_scripts, server_time_ms, status_reply
 from .policies import HandoffPolicy
-from .records import Loaded, loaded_from_row, record_from_hash
+from .records import Loaded, loaded_from_row, poison_row, record_from_hash
 from .routing import Router
 from .scripts import INLINE_ENVELOPE, Script, Scripts
 from .signing import Keyring
@@ -451,17 +451,28 @@ class HandoffBus:
                 raise reply
 
     async def load_records(self, handoff_ids: Sequence[str]) -> list[Loaded | None]:
-        """What each record holds (None where it is gone), in one round trip; never raises for bad data."""
-        if not handoff_ids:
-            return []
-        keys = [self.keys.record(*split_handoff_id(handoff_id)) for handoff_id in handoff_ids]
+        """What each record holds (None where it is gone), in one round trip; never raises for
+        bad data. An id that is no handoff's (a queue member written by hand) is a poison row."""
+        out: list[Loaded | None] = []
+        named: list[tuple[int, str, RecordKeys]] = []  # (place in out, handoff id, its keys)
+        for handoff_id in handoff_ids:
+            try:
+                named.append((len(out), handoff_id, self.keys.record(*split_handoff_id(handoff_id))))
+                out.append(None)
+            except InvalidRequest as exc:  # InvalidName
+                out.append(poison_row(exc))
+        if not named:
+            return out
+        keys = [k for _, _, k in named]
         limit = self._inline_limit()
         rows = await self.read_scripts([("load", [k.record, k.envelope], limit) for k in keys],
                                        lambda: load_rows(self.redis, keys))
         apart = [i for i, row in enumerate(rows) if row[14] == 1]
         for i, envelope in zip(apart, await self._envelopes([keys[i] for i in apart]), strict=True):
             rows[i] = [rows[i][0], envelope, *rows[i][2:]]  # gone (None): a poison row, as inline
-        return [loaded_from_row(row, self.codec, self.keyring, hid) for row, hid in zip(rows, handoff_ids, strict=True)]
+        for (place, handoff_id, _), row in zip(named, rows, strict=True):
+            out[place] = loaded_from_row(row, self.codec, self.keyring, handoff_id)
+        return out
 
     def _inline_limit(self) -> list[int]:
         """The ``load`` and ``status`` argument that leaves an envelope over INLINE_ENVELOPE to

@@ -302,7 +302,9 @@ class Forwarder:
         elif name == "reject" and isinstance(result, list) and result and int(result[0]) == 2:
             await bus.router.send_on(sender, text(args[0]), result)  # a refusal sends it on
         elif name == "assign" and isinstance(result, list) and result and int(result[0]) == 2:
-            await bus.router.reroute([Reroute.of(result[2:9])])  # pulled from a stale queue entry
+            stale = Reroute.read(result[2:9], f"forwarder (assign by {sender})")  # pulled from a stale queue entry
+            if stale is not None:
+                await bus.router.reroute([stale])
 
     def _pinned(self, call: Call) -> Call:
         """The call with what the bus decides rather than the caller: retention times (they

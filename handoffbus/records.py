@@ -13,7 +13,7 @@ from .models import HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatu
 from .names import split_handoff_id
 from .signing import SIGNED_RESPONSE_FIELDS, Keyring, response_body, unsigned_response
 
-__all__ = ["RESPONSE_FIELDS", "Loaded", "loaded_from_row", "record_from_hash", "response_from_fields",
+__all__ = ["RESPONSE_FIELDS", "Loaded", "loaded_from_row", "poison_row", "record_from_hash", "response_from_fields",
            "response_from_reply", "text"]
 
 #: Order of the fields after the code in a transition script's reply (see lua/includes/record.lua).
@@ -148,8 +148,7 @@ def loaded_from_row(
             "created_ms": int(created or 0), "deadline_ms": int(deadline or 0),
         }
     except ValueError as exc:  # an unreadable number or agent id poisons the record like a bad envelope
-        return Loaded(status=HandoffStatus.PENDING, request=None, agent=None, attempt=0,
-                      error=f"{type(exc).__name__}: {exc}")
+        return poison_row(exc)
     try:
         if keyring is not None and status == b"PENDING":
             check_request(keyring, row, env or b"")
@@ -158,7 +157,15 @@ def loaded_from_row(
             check_belongs(handoff_id, row, request)
         return Loaded(status=HandoffStatus(status.decode()), request=request, **fields)
     except (HandoffbusError, ValueError) as exc:  # a poison record: reported, never raised
-        return Loaded(status=HandoffStatus.PENDING, request=None, error=f"{type(exc).__name__}: {exc}", **fields)
+        return poison_row(exc, **fields)
+
+
+def poison_row(
+    exc: Exception, agent: str | None = None, attempt: int = 0, created_ms: int = 0, deadline_ms: int = 0
+) -> Loaded:
+    """A handoff whose record cannot be read, and why: its worker dead-letters it."""
+    return Loaded(status=HandoffStatus.PENDING, request=None, agent=agent, attempt=attempt, created_ms=created_ms,
+                  deadline_ms=deadline_ms, error=f"{type(exc).__name__}: {exc}")
 
 
 def check_belongs(handoff_id: str, row: Sequence[Any], request: HandoffRequest) -> None:

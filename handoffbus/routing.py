@@ -82,6 +82,20 @@ class Reroute(NamedTuple):
         return cls(hid, caps, int(prio), int(created), int(deadline), refused or ",", deferred or ",",
                    redirect.decode() if isinstance(redirect, bytes) else None)
 
+    @classmethod
+    def read(cls, values: Sequence[Any], what: str, redirect: Any = None) -> Reroute | None:
+        """``of``, or None, with a warning, for a record not as the scripts write it: its
+        requester may write anything in its own slot, and one such record must not stop the
+        worker, forwarder or sweep that routes it from routing the others. It stays where
+        it is until its deadline expires it."""
+        try:
+            return cls.of(values, redirect)
+        except (TypeError, ValueError, AttributeError) as exc:  # UnicodeDecodeError is a ValueError
+            hid = values[0] if values else None
+            log.warning("%s: handoff %r cannot be routed again, its record is not as written (%s)",
+                        what, hid.decode(errors="replace") if isinstance(hid, bytes) else hid, exc)
+            return None
+
     @property
     def refused_agents(self) -> list[str]:
         return [a for a in self.refused.split(",") if a]
@@ -259,7 +273,10 @@ class Router:
         await self._bus.settle(refuser, [handoff_id])
         if not route:
             return None
-        [final] = await self.reroute([Reroute.of(reply[2:9], reply[9])])
+        item = Reroute.read(reply[2:9], f"routing on the refusal of {refuser}", reply[9])
+        if item is None:
+            return None
+        [final] = await self.reroute([item])
         return final
 
     async def reroute(self, items: Sequence[Reroute]) -> list[HandoffResponse | None]:
@@ -304,7 +321,9 @@ class Router:
                 elif code == 0:  # offered elsewhere meanwhile, or the assign failed: the queue decides
                     calls.append(self._route_again(item))
                 elif code == 2:  # the record knows the agent refused or is deferred: the queue decides
-                    calls.append(self._route_again(Reroute.of(reply[2:9])))
+                    again = Reroute.read(reply[2:9], f"redirecting to {item.redirect}")
+                    if again is not None:
+                        calls.append(self._route_again(again))
                 # code < 0: decided, expired or gone meanwhile
         replies = await bus.scripts_many(calls) if calls else []
         for reply in replies:

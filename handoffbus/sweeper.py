@@ -52,6 +52,8 @@ class Sweeper:
         self._refused_event = anyio.Event()
         #: requesters whose sweep script failed at their last pass (each is logged once as a warning)
         self._failing: set[str] = set()
+        #: members of the requesters set that are not text (each is logged once)
+        self._undecodable: set[bytes] = set()
 
     async def wait_pass(self) -> None:
         """Return when this bus finishes its next sweep pass (expiry and queue settlement)."""
@@ -115,10 +117,9 @@ class Sweeper:
                         if reply[i + 2]:  # routed: its set's queue may hold it still, for no one
                             unrouted.append((reply[i + 2].decode(), hid))
                     for i in range(n_lapsed):
-                        try:
-                            lapsed.append(Reroute.of(reply[pairs_end + 7 * i:pairs_end + 7 * i + 7]))
-                        except (TypeError, ValueError, AttributeError) as exc:  # a record not as written
-                            log.warning("expiry sweep: a lapsed offer that cannot be routed again (%s)", exc)
+                        item = Reroute.read(reply[pairs_end + 7 * i:pairs_end + 7 * i + 7], "expiry sweep")
+                        if item is not None:
+                            lapsed.append(item)
                 if by_target:
                     await bus.settle_expired(by_target)
                 await bus.drop_routes(unrouted)
@@ -127,7 +128,14 @@ class Sweeper:
             batch.clear()
 
         async for raw in bus.redis.sscan_iter(bus.keys.requesters, count=500):
-            batch.append(raw.decode())
+            try:
+                batch.append(raw.decode())
+            except UnicodeDecodeError:  # written by hand: no requester's, and never one to stop the sweep
+                if raw not in self._undecodable:
+                    self._undecodable.add(raw)
+                    log.warning("expiry sweep: skipping %r in %s, which is not an agent id", raw,
+                                bus.keys.requesters)
+                continue
             if len(batch) >= 200:
                 await flush()
         if batch:

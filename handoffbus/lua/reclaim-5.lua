@@ -9,6 +9,8 @@
   KEYS[5] request envelope
   ARGV[1] handoff id    ARGV[2] request id       ARGV[3] acting agent    ARGV[4] new lease (consumer)
   ARGV[5] expected current lease, or '' for a takeover (a retry must still hold the lease)
+  ARGV[6] the attempt the caller saw last (optional): the lease already the caller's at the
+          attempt after it is a repeat of this call whose reply was lost, answered as done
 
   Returns:
     {1, attempt}  the caller holds the lease now, for this attempt
@@ -20,6 +22,8 @@ local rec = redis.call('HMGET', KEYS[1], 'status', 'agent', 'attempt', 'lease')
 if not rec[1] then return {-1} end
 if rec[1] ~= 'ACCEPTED' then return {-2, rec[1]} end
 if rec[2] ~= ARGV[3] then return {-4} end
+local seen = tonumber(ARGV[6] or '')
+if seen and rec[4] == ARGV[4] and tonumber(rec[3]) == seen + 1 then return {1, seen + 1} end
 if ARGV[5] ~= '' and rec[4] ~= ARGV[5] then return {-6, rec[4] or ''} end
 local attempt = (tonumber(rec[3]) or 1) + 1
 redis.call('HSET', KEYS[1], 'lease', ARGV[4], 'attempt', attempt)

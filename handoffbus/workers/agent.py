@@ -29,7 +29,7 @@ import msgspec
 
 from ..config import check_seconds
 from ..context import DEFAULT_CONTEXT_LIMIT, HandoffContext, deserialize_context, serialize_context
-from ..errors import HandoffbusError, InvalidRequest
+from ..errors import DecodeError, HandoffbusError, InvalidRequest
 from ..models import HandoffRequest
 from ..policies.guards import HOPS_KEY, RETURN_KEY, hops_of
 from ..policies.policy import RESOLUTION_KEY
@@ -162,9 +162,16 @@ class ReceivedHandoff(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def resolution(self) -> HandoffResolution | None:
-        """What the sender's scenario said of this handoff (type, greeting, context_vars), if any."""
+        """What the sender's scenario said of this handoff (type, greeting, context_vars), if any.
+        Raises DecodeError when the metadata holds one not in that shape (any sender may write it)."""
         found = self.request.metadata.get(RESOLUTION_KEY)
-        return msgspec.convert(found, HandoffResolution) if isinstance(found, dict) else None
+        if not isinstance(found, dict):
+            return None
+        try:
+            return msgspec.convert(found, HandoffResolution)
+        except msgspec.ValidationError as exc:
+            raise DecodeError(
+                f"metadata {RESOLUTION_KEY!r} of {self.handoff_id!r} is not a resolution: {exc}") from None
 
     def onward(self, to_agent: str, reason: str = "", context: HandoffContext | None = None,
                **fields: Any) -> HandoffRequest:

@@ -101,18 +101,26 @@ class RouteFeed:
         offers = await bus.scripts_many([bus.router.assign_call(hid, self.agent, at) for _, hid, at in pulled])
         mine = [hid for (_, hid, _), r in zip(pulled, offers, strict=True)
                 if not isinstance(r, BaseException) and int(r[0]) == 1]
-        # the record says this agent refused it or is deferred: the queue's copy was stale (a
-        # route call raced the refusal); route it again from the record once the claim is gone
-        stale = [Reroute.of(r[2:9]) for r in offers if not isinstance(r, BaseException) and int(r[0]) == 2]
         # admit what was offered to us, and release the claims assign answered, in one round
         # trip: a claim is done with once its handoff is in the inbox, or decided or offered
         # elsewhere meanwhile (if the admit fails, the offer lapses and the sweep routes the
         # handoff again). A claim whose assign failed stays, to lapse back into the queue (`pull`
         # puts it back); a stale one is dropped by routing it again.
         acks: dict[str, list[Any]] = {}
+        stale: list[Reroute] = []
         for (sid, hid, _), offer in zip(pulled, offers, strict=True):
-            if not isinstance(offer, BaseException) and int(offer[0]) != 2:
-                acks.setdefault(sid, []).append(hid)
+            if isinstance(offer, BaseException):
+                continue
+            if int(offer[0]) == 2:
+                # the record says this agent refused it or is deferred: the queue's copy was stale
+                # (a route call raced the refusal); route it again from the record once the claim
+                # is gone. A record that cannot be read so is released instead: pulled again, it
+                # would only come back here; it waits in its record for its deadline
+                item = Reroute.read(offer[2:9], f"{self.consumer}: a stale routed handoff")
+                if item is not None:
+                    stale.append(item)
+                    continue
+            acks.setdefault(sid, []).append(hid)
         calls: list[tuple[str, list[str], list[Any]]] = [
             ("pull", bus.keys.route(sid).as_list(), [self.agent, 0, 0, 0, *hids]) for sid, hids in acks.items()
         ]

@@ -48,7 +48,7 @@ from ..models import TERMINAL, HandoffRequest, HandoffResponse, HandoffStatus
 from ..names import check_names, split_handoff_id
 from ..policies.blobs import has_blobs, restore
 from ..records import Loaded
-from .agent import Accept, Agent, AgentState, ReceivedHandoff, Reject, is_inline
+from .agent import Accept, Agent, AgentState, ReceivedHandoff, Reject, RetryPolicy, is_inline
 from .inbox import Delivery, Inbox
 from .lanes import Lanes
 from .routes import RouteFeed
@@ -73,6 +73,27 @@ T = TypeVar("T")
 def default_consumer_name() -> str:
     host = "".join(c if c.isalnum() or c in "-." else "-" for c in socket.gethostname())[:60] or "host"
     return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def describe(exc: BaseException) -> str:
+    """``"<type>: <message>"`` for the record, even when the exception's own ``__str__``
+    raises (a hook's custom exception): the handoff's outcome must still be sent."""
+    name = type(exc).__name__
+    for show in (str, repr):
+        try:
+            return f"{name}: {show(exc)}"
+        except Exception:  # e.g. a __str__ reading an attribute its __init__ never set
+            continue
+    return name
+
+
+def _handoff_of(fields: dict[bytes, bytes]) -> str | None:
+    """The handoff id an inbox entry names, or None for an entry no worker wrote."""
+    raw = fields.get(b"h")
+    try:
+        return raw.decode() if raw else None
+    except UnicodeDecodeError:
+        return None
 
 
 class HookCancelled(HandoffbusError):
@@ -114,15 +135,18 @@ class Worker:
         reclaim_idle: float = 30.0,
         max_deliveries: int = 5,
     ) -> None:
-        if concurrency < 1:
-            raise ValueError("concurrency must be at least 1")
-        # InvalidRequest is a ValueError; a reclaim time near 0 would take over every other
-        # worker's running handoffs at once (and make the heartbeat's time to live 0)
+        # a float would reach Redis as a COUNT and fail every take (the worker never serves)
+        for name, value in (("concurrency", concurrency), ("max_deliveries", max_deliveries)):
+            if type(value) is not int or value < 1:
+                raise InvalidRequest(f"{name} must be an int of at least 1, not {value!r}")
+        # a reclaim time near 0 would take over every other worker's running handoffs at once
+        # (and make the heartbeat's time to live 0)
         check_seconds("reclaim_idle", reclaim_idle, least=MIN_RECLAIM_IDLE)
         check_seconds("block", block)
         check_seconds("grace", grace, least=0.0)
-        if type(max_deliveries) is not int or max_deliveries < 1:
-            raise ValueError("max_deliveries must be an int, at least 1")
+        # read only when a work hook raises: a bad one would strand that handoff ACCEPTED
+        if not isinstance(agent.retry, RetryPolicy):
+            raise InvalidRequest(f"{type(agent).__name__}.retry must be a RetryPolicy, not {agent.retry!r}")
         check_names(agent.capabilities, "capability")  # they go into the registry and routing as they are
         self.bus = bus
         self.agent = agent
@@ -365,13 +389,26 @@ class Worker:
                 self._inbox_key, GROUP, self.consumer, int(self.reclaim_idle * 1000), cursor, count=free
             )
             cursor, claimed = reply[0], reply[1]
-            # an entry this worker is still running went idle too (its heartbeats failed for a
-            # while): it is ours already, and a second run of it must not start
-            taken = [Delivery(handoff_id=f[b"h"].decode(), entry_id=eid.decode()) for eid, f in claimed
-                     if f and f[b"h"].decode() not in self._entries]
-            if not taken:
+            taken: list[Delivery] = []
+            nameless: list[Delivery] = []
+            for eid, fields in claimed:
+                if not fields:
+                    continue  # deleted meanwhile
+                hid = _handoff_of(fields)
+                if hid is None:
+                    nameless.append(Delivery(handoff_id="", entry_id=eid.decode()))
+                elif hid not in self._entries:
+                    # (an entry this worker is still running went idle too, its heartbeats failing
+                    # for a while: it is ours already, and a second run of it must not start)
+                    taken.append(Delivery(handoff_id=hid, entry_id=eid.decode()))
+            if not taken and not nameless:
                 return cursor
-            counts = await self._delivery_counts(taken)
+            counts = await self._delivery_counts(taken + nameless)
+            for delivery in nameless:  # written by hand: left pending, it would be claimed again forever
+                deliveries = counts.get(delivery.entry_id, 1)
+                await self._inbox.dead_letter(delivery, "the inbox entry names no handoff", deliveries)
+                self._log.error("%s: dead-lettered inbox entry %s, which names no handoff", self.consumer,
+                                delivery.entry_id)
             loaded = await self._inbox.load([d.handoff_id for d in taken])
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
@@ -499,7 +536,7 @@ class Worker:
                     # accepted by a worker of this agent that stopped: carry on from there (a stop
                     # mid-takeover leaves it pending too: settled, no one would finish it)
                     after = "keep pending"
-                    attempt = await self._take_over(hid)
+                    attempt = await self._take_over(hid, row.attempt)
                     status = await self._work(hid, row.request, attempt, row.created_ms)
                 else:
                     after = "give back"  # nothing sent yet: a stop now hands it back to the queue
@@ -538,14 +575,16 @@ class Worker:
                 self._give_back.append((hid, row.request.priority))
             self._changed.set()
 
-    async def _take_over(self, hid: str, *, retry: bool = False) -> int:
-        """Hold the handoff's lease for a new run of its work; returns the attempt number.
-        A takeover moves the lease from a stopped worker; a retry requires holding it."""
+    async def _take_over(self, hid: str, seen: int, *, retry: bool = False) -> int:
+        """Hold the handoff's lease for a new run of its work after attempt ``seen``; returns
+        the new attempt number. A takeover moves the lease from a stopped worker; a retry
+        requires holding it. Sent until answered: a repeat whose first reply was lost finds
+        the lease ours at ``seen + 1`` and takes no second attempt."""
         requester, request_id = split_handoff_id(hid)
-        reply = await self.bus.script(
-            "reclaim", self.bus.keys.record(requester, request_id).as_list(),
-            [hid, request_id, self.agent.agent_id, self.consumer, self.consumer if retry else ""],
-        )
+        keys = self.bus.keys.record(requester, request_id).as_list()
+        args = [hid, request_id, self.agent.agent_id, self.consumer, self.consumer if retry else "", seen]
+        reply = await self._until_answered(
+            "retry" if retry else "takeover", hid, lambda: self.bus.script("reclaim", keys, args))
         if int(reply[0]) < 0:
             raise_for_code(int(reply[0]), hid, self.agent.agent_id, "reclaim", reply[1] if len(reply) > 1 else None)
         return int(reply[1])
@@ -555,9 +594,14 @@ class Worker:
             decision = await _call(self.agent.on_handoff_request, request)
         except Exception as exc:
             self._log.exception("%s: acceptance hook failed for %s", self.consumer, hid, extra={"handoff_id": hid})
-            return Reject(reason=f"acceptance hook failed: {type(exc).__name__}: {exc}", code="HOOK_FAILED")
+            return Reject(reason=f"acceptance hook failed: {describe(exc)}", code="HOOK_FAILED")
         if not isinstance(decision, Accept | Reject):
             return Reject(reason=f"acceptance hook returned {type(decision).__name__}", code="HOOK_FAILED")
+        if isinstance(decision, Accept) and not isinstance(decision.metadata, dict):
+            # it would be written ACCEPTED, then no one could decode the response (this worker
+            # neither, which would leave the work to a reclaim)
+            return Reject(reason="acceptance hook returned an invalid Accept: metadata must be a dict, "
+                                 f"not {type(decision.metadata).__name__}", code="HOOK_FAILED")
         if isinstance(decision, Reject):
             try:
                 rejection_fields(decision.reason, decision.code, decision.retry_after_ms, decision.redirect_to)
@@ -610,15 +654,14 @@ class Worker:
                 if not policy.should_retry(attempt, exc):
                     self._log.exception("%s: handler failed for %s (attempt %d)", self.consumer, hid, attempt,
                                        extra={"handoff_id": hid})
-                    error = f"{type(exc).__name__}: {exc}"
                     with tracing.settle_span(self._inbox_key, hid, "FAILED"):
-                        await self._send("fail", hid, {"error": error, "lease": self.consumer}, created_ms)
+                        await self._send("fail", hid, {"error": describe(exc), "lease": self.consumer}, created_ms)
                     return HandoffStatus.FAILED
                 delay = policy.delay_before(attempt)
                 self._log.warning("%s: handler failed for %s (attempt %d: %s); retrying in %.2fs",
-                                  self.consumer, hid, attempt, exc, delay, extra={"handoff_id": hid})
+                                  self.consumer, hid, attempt, describe(exc), delay, extra={"handoff_id": hid})
             await anyio.sleep(delay)  # the retry backoff (a stop meanwhile leaves it pending)
-            attempt = await self._take_over(hid, retry=True)
+            attempt = await self._take_over(hid, attempt, retry=True)
         try:
             packed = None if result is None else codec.dumps_value(result)
         except (EncodeError, PayloadTooLarge) as exc:  # the same on every run: failed, not run again

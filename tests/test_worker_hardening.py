@@ -1,0 +1,340 @@
+"""What a worker, the router and the sweep meet that no well-behaved writer leaves: records and
+queue entries written by hand, hooks that return or raise odd things, replies lost on the
+wire. Each is dropped, refused or recorded as the handoff's outcome; none stops the process
+that met it, nor strands a handoff."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from handoffbus import DecodeError, HandoffBus, HandoffRequest, HandoffStatus, InvalidRequest, Worker
+from handoffbus.forwarding import Forwarder
+from handoffbus.keys import GROUP
+from handoffbus.policies.policy import RESOLUTION_KEY
+from handoffbus.policies.scenario import HandoffResolution
+from handoffbus.routing import Reroute, set_id
+from handoffbus.workers import Accept, ReceivedHandoff, RetryPolicy
+from handoffbus.workers.inbox import Inbox
+
+from .agents import Echo
+from .helpers import req, routed, serving
+
+pytestmark = pytest.mark.anyio
+
+
+class Capable(Echo):
+    """Serves routed work of capability x."""
+
+    agent_id = "capable-1"
+    capabilities = ["x"]
+
+
+async def tamper(bus: HandoffBus, handoff_id: str, **fields: str) -> None:
+    """Write fields of a record as its requester may: anything, in its own slot."""
+    await bus.redis.hset(bus.keys.record(*handoff_id.split("/")).record, mapping=fields)
+
+
+def mallorys(**kw: Any) -> HandoffRequest:
+    """A routed request (capability x) from a requester that then writes its record by hand."""
+    return HandoffRequest(from_agent="mallory", to_agent="", reason="r", capabilities_required=["x"], **kw)
+
+
+async def live(bus: HandoffBus, agent: str, consumer: str) -> None:
+    """Register a live worker of ``agent`` (capability x) without running one."""
+    info = json.dumps({"consumer": consumer, "state": "RUNNABLE", "load": 0, "limit": 4,
+                       "capabilities": ["x"], "started_ms": 0, "ttl_ms": 60000})
+    await bus.script("register", [bus.keys.workers(agent), bus.keys.worker_beat(agent, consumer)],
+                     [consumer, info, 60000])
+    await bus.redis.sadd(bus.keys.agents, agent)
+
+
+# ---------------------------------------------------------------- routed records not as written
+
+
+async def test_a_stale_routed_record_not_as_written_stops_no_worker(bus: HandoffBus) -> None:
+    """Its requester made the record say the agent refused it, with a priority that is no
+    number: the pull's assign answers 'stale, route it again', and the record cannot be read
+    for that. The claim is let go; the honest handoff behind it is served."""
+    bad = await bus.client("mallory").request_handoff(mallorys(priority=-5))
+    await tamper(bus, bad.handoff_id, refused=f",{Capable.agent_id},", prio="x")
+    good = await bus.client("req").request_handoff(routed(["x"]))
+    async with serving(bus, Capable()):
+        with anyio.fail_after(10):
+            assert (await good.outcome()).status is HandoffStatus.COMPLETED
+    route = bus.keys.route(set_id("x"))
+    assert await bus.redis.zscore(route.claims, bad.handoff_id) is None  # not left to lapse back
+    record = await bus.client("mallory").get_handoff_status(bad.handoff_id)
+    assert record is not None and record.status is HandoffStatus.PENDING  # to expire at its deadline
+
+
+async def test_the_forwarder_runs_on_after_an_assign_of_a_record_not_as_written(bus: HandoffBus) -> None:
+    bad = await bus.client("mallory").request_handoff(mallorys())
+    await tamper(bus, bad.handoff_id, refused=f",{Capable.agent_id},", prio="x")
+    call = bus.router.assign_call(bad.handoff_id, Capable.agent_id)
+    reply = await bus.script(*call)
+    assert int(reply[0]) == 2  # stale: the record says the agent refused it
+    await Forwarder(bus, [Capable.agent_id])._after(Capable.agent_id, call, reply)  # neither raises
+
+
+async def test_a_redirect_to_a_refuser_with_a_record_not_as_written_is_dropped(bus: HandoffBus) -> None:
+    await live(bus, "expert-1", "e1")
+    bad = await bus.client("mallory").request_handoff(mallorys())
+    await tamper(bus, bad.handoff_id, refused=",expert-1,", prio="x")
+    item = Reroute(bad.handoff_id, "x", 0, 0, 2**40, ",", ",", redirect="expert-1")
+    assert await bus.router.reroute([item]) == [None]  # stays PENDING, until its deadline
+
+
+async def test_a_routed_refusal_of_a_record_not_as_written_is_answered(bus: HandoffBus) -> None:
+    bad = await bus.client("mallory").request_handoff(mallorys())
+    assert int((await bus.script(*bus.router.assign_call(bad.handoff_id, "b")))[0]) == 1
+    await tamper(bus, bad.handoff_id, prio="x")
+    refused = await bus.client("b").reject_handoff(bad.handoff_id, "not mine")
+    assert refused.status is HandoffStatus.PENDING
+
+
+def test_reroute_read_drops_what_cannot_be_routed(caplog: pytest.LogCaptureFixture) -> None:
+    good = [b"a/r1", b"x", b"0", b"1", b"2", b",", b""]
+    assert Reroute.read(good, "test") == Reroute("a/r1", "x", 0, 1, 2, ",", ",")
+    with caplog.at_level(logging.WARNING, "handoffbus"):
+        assert Reroute.read([b"a/r2", b"x", b"x", b"1", b"2", b",", b","], "test") is None
+        assert Reroute.read([b"a/r3", b"x", b"\xff", b"1", b"2", b",", b","], "test") is None
+        assert Reroute.read([b"a/r4"], "test") is None
+    assert [r.getMessage().split(" cannot")[0] for r in caplog.records] == [
+        "test: handoff 'a/r2'", "test: handoff 'a/r3'", "test: handoff 'a/r4'"]
+
+
+# ---------------------------------------------------------------- hooks that misbehave
+
+
+class ToolError(Exception):
+    """An exception whose ``__str__`` raises: it reads an attribute its ``__init__`` never set."""
+
+    def __init__(self, code: int, *, no_repr: bool = False) -> None:
+        self.code, self.no_repr = code, no_repr
+
+    def __str__(self) -> str:
+        return f"tool error {self.code}: {self.detail}"  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        if self.no_repr:
+            raise RuntimeError("no repr either")
+        return f"ToolError({self.code})"
+
+
+class RaisesOddly(Echo):
+    agent_id = "odd-1"
+
+    def __init__(self, *, in_decide: bool = False) -> None:
+        super().__init__()
+        self.in_decide = in_decide
+        self.runs: list[int] = []
+
+    async def on_handoff_request(self, request: HandoffRequest) -> Any:
+        if self.in_decide:
+            raise ToolError(3, no_repr=True)
+        return Accept()
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        self.runs.append(handoff.attempt)
+        raise ToolError(7)
+
+
+async def test_a_work_hook_raising_an_exception_that_cannot_be_shown_fails_its_handoff(bus: HandoffBus) -> None:
+    agent = RaisesOddly()
+    handle = await bus.client("req").request_handoff(req("req", agent.agent_id))
+    async with serving(bus, agent, reclaim_idle=60):  # failed now, not after a reclaim
+        with anyio.fail_after(10):
+            outcome = await handle.outcome()
+    assert outcome.status is HandoffStatus.FAILED and outcome.error == "ToolError: ToolError(7)"
+    assert agent.runs == [1]
+
+
+async def test_an_acceptance_hook_raising_an_exception_that_cannot_be_shown_is_a_hook_failure(
+        bus: HandoffBus) -> None:
+    agent = RaisesOddly(in_decide=True)
+    handle = await bus.client("req").request_handoff(req("req", agent.agent_id))
+    async with serving(bus, agent):
+        with anyio.fail_after(10):
+            outcome = await handle.outcome()
+    assert outcome.status is HandoffStatus.REJECTED and outcome.rejection_code == "HOOK_FAILED"
+    assert outcome.rejection_reason == "acceptance hook failed: ToolError"
+    assert agent.runs == []
+
+
+class AcceptsWithAList(Echo):
+    agent_id = "listy-1"
+
+    async def on_handoff_request(self, request: HandoffRequest) -> Any:
+        return Accept(metadata=["not", "a", "map"])  # type: ignore[arg-type]  # msgspec does not check it
+
+
+async def test_an_accept_whose_metadata_is_not_a_map_is_a_hook_failure(bus: HandoffBus) -> None:
+    agent = AcceptsWithAList()
+    handle = await bus.client("req").request_handoff(req("req", agent.agent_id))
+    async with serving(bus, agent, reclaim_idle=60):
+        with anyio.fail_after(10):
+            outcome = await handle.outcome()
+    assert outcome.status is HandoffStatus.REJECTED and outcome.rejection_code == "HOOK_FAILED"
+    assert outcome.rejection_reason == "acceptance hook returned an invalid Accept: metadata must be a dict, not list"
+    assert agent.order == []  # the work hook never ran
+
+
+# ---------------------------------------------------------------- settings
+
+
+class RetriesAsANumber(Echo):
+    retry = 3  # type: ignore[assignment]  # meant: RetryPolicy(attempts=3)
+
+
+@pytest.mark.parametrize("settings", [
+    {"concurrency": 2.5}, {"concurrency": "4"}, {"concurrency": None}, {"concurrency": True}, {"concurrency": 0},
+    {"max_deliveries": 2.0}, {"max_deliveries": "3"}, {"max_deliveries": False}, {"max_deliveries": 0},
+])
+def test_worker_counts_are_type_checked(settings: dict[str, Any]) -> None:
+    with pytest.raises(InvalidRequest):
+        Worker(HandoffBus.memory(), Echo(), **settings)
+
+
+def test_an_agents_retry_must_be_a_retry_policy() -> None:
+    with pytest.raises(InvalidRequest, match=r"RetriesAsANumber\.retry must be a RetryPolicy"):
+        Worker(HandoffBus.memory(), RetriesAsANumber())
+    Worker(HandoffBus.memory(), Echo(), concurrency=1, max_deliveries=1)  # the edges are fine
+
+
+# ---------------------------------------------------------------- queue and inbox entries written by hand
+
+
+async def test_a_queue_member_that_is_no_handoff_id_is_dead_lettered(bus: HandoffBus) -> None:
+    client, keys = bus.client("req"), bus.keys.target(Echo.agent_id)
+    await bus.redis.zadd(keys.queue, {"not-a-handoff-id": 0})
+    good = await client.request_handoff(req("req", Echo.agent_id))
+    assert [p.handoff_id for p in await client.get_pending_handoffs(Echo.agent_id)] == [good.handoff_id]
+    async with serving(bus, Echo(), concurrency=1):  # one at a time: the bad one, queued first, then the good
+        with anyio.fail_after(10):
+            assert (await good.outcome()).status is HandoffStatus.COMPLETED
+    [dead] = await client.get_dead_letters(Echo.agent_id)
+    assert dead.handoff_id == "not-a-handoff-id" and dead.reason.startswith("InvalidName:")
+    assert (await bus.redis.xpending(keys.inbox, GROUP))["pending"] == 0
+    assert await bus.redis.hlen(keys.inflight) == 0
+
+
+async def test_a_reclaim_of_entries_that_name_no_handoff_dead_letters_them(bus: HandoffBus) -> None:
+    """A worker that died held a good handoff, a queue member that is no handoff id, and an
+    inbox entry written by hand with no handoff at all: its successor reclaims all three,
+    dead-letters the last two, and finishes the first."""
+    client, keys = bus.client("req"), bus.keys.target(Echo.agent_id)
+    await bus.redis.zadd(keys.queue, {"not-a-handoff-id": -1})
+    good = await client.request_handoff(req("req", Echo.agent_id))
+    _, taken = await Inbox(bus, Echo.agent_id, "gone-1").take(2)
+    assert len(taken) == 2
+    nameless = (await bus.redis.xadd(keys.inbox, {"x": "y"})).decode()
+    await bus.redis.xreadgroup(GROUP, "gone-1", {keys.inbox: ">"})
+    async with serving(bus, Echo(), reclaim_idle=0.05) as [worker]:
+        with anyio.fail_after(10):
+            assert (await good.outcome()).status is HandoffStatus.COMPLETED
+            while len(await client.get_dead_letters(Echo.agent_id)) < 2:
+                await worker.wait_reclaim_pass()
+    dead = {d.handoff_id: d.reason for d in await client.get_dead_letters(Echo.agent_id)}
+    assert dead.keys() == {"not-a-handoff-id", ""} and dead[""] == "the inbox entry names no handoff"
+    [entry] = [f[b"entry"] for _, f in await bus.redis.xrange(bus.keys.dead_letters(Echo.agent_id)) if f[b"h"] == b""]
+    assert entry.decode() == nameless
+    assert (await bus.redis.xpending(keys.inbox, GROUP))["pending"] == 0
+
+
+# ---------------------------------------------------------------- lost replies
+
+
+class FailsOnce(Echo):
+    agent_id = "flaky-1"
+    retry = RetryPolicy(attempts=3, delay=0.01, jitter=0)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs: list[int] = []
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        self.runs.append(handoff.attempt)
+        if len(self.runs) == 1:
+            raise ValueError("transient")
+        return "ok"
+
+
+def lose_first_reclaim_reply(bus: HandoffBus, *, retry: bool) -> list[Any]:
+    """Make the first ``reclaim`` call of the kind run, then lose its reply."""
+    real, lost = bus.script, []
+
+    async def script(name: str, keys: list[str], args: list[Any], *more: Any, **kwargs: Any) -> Any:
+        reply = await real(name, keys, args, *more, **kwargs)
+        if name == "reclaim" and bool(args[4]) is retry and not lost:
+            lost.append(reply)
+            raise RedisConnectionError("Connection reset by peer")
+        return reply
+
+    bus.script = script  # type: ignore[method-assign]
+    return lost
+
+
+async def test_a_retry_whose_lease_reply_was_lost_goes_on_at_the_next_attempt(bus: HandoffBus) -> None:
+    agent = FailsOnce()
+    handle = await bus.client("req").request_handoff(req("req", agent.agent_id))
+    lost = lose_first_reclaim_reply(bus, retry=True)
+    async with serving(bus, agent, reclaim_idle=60):  # not left for a reclaim
+        with anyio.fail_after(10):
+            outcome = await handle.outcome()
+    assert lost and outcome.status is HandoffStatus.COMPLETED
+    assert agent.runs == [1, 2]  # the lost reply's increment is not counted again
+    record = await bus.client("req").get_handoff_status(handle.handoff_id)
+    assert record is not None and record.attempt == 2
+
+
+async def test_a_takeover_whose_reply_was_lost_counts_one_attempt(bus: HandoffBus) -> None:
+    handle = await bus.client("a").request_handoff(req("a", Echo.agent_id))
+    assert len((await Inbox(bus, Echo.agent_id, "gone-1").take(1))[1]) == 1  # taken, accepted, then it died
+    await bus.client(Echo.agent_id)._transition("accept", handle.handoff_id, {"lease": "gone-1"}, settle=False)
+    lost = lose_first_reclaim_reply(bus, retry=False)
+    agent = Echo()
+    async with serving(bus, agent, reclaim_idle=0.05):
+        with anyio.fail_after(10):
+            outcome = await handle.outcome()
+    assert lost and outcome.status is HandoffStatus.COMPLETED
+    assert outcome.result["attempt"] == 2 and agent.order == [handle.handoff_id]
+
+
+# ---------------------------------------------------------------- the sweep
+
+
+async def test_a_requesters_member_that_is_not_text_stops_no_sweep(
+        bus: HandoffBus, caplog: pytest.LogCaptureFixture) -> None:
+    await bus.redis.sadd(bus.keys.requesters, b"\xff\xfe")
+    handle = await bus.client("req").request_handoff(req("req", "nobody-1", timeout=0.2))
+    record = bus.keys.record(*handle.handoff_id.split("/")).record
+    with caplog.at_level(logging.WARNING, "handoffbus"):
+        await bus.sweeper.sweep_once()
+        with anyio.fail_after(10):
+            while await bus.redis.hget(record, "status") != b"EXPIRED":
+                await bus.sweeper.wait_pass()  # swept, not expired by a read of the requester
+        await bus.sweeper.sweep_once()
+    assert await bus.redis.zcard(bus.keys.target("nobody-1").queue) == 0
+    assert len([r for r in caplog.records if "not an agent id" in r.getMessage()]) == 1  # once
+
+
+# ---------------------------------------------------------------- what a handler reads
+
+
+def test_a_malformed_resolution_is_a_decode_error() -> None:
+    def received(value: Any) -> ReceivedHandoff:
+        return ReceivedHandoff.of("a/r1", req("a", "b", request_id="r1", metadata={RESOLUTION_KEY: value}))
+
+    with pytest.raises(DecodeError, match="greeting"):
+        _ = received({"greeting": 5}).resolution
+    resolution = HandoffResolution(source_agent="a", target_agent="b", handoff_type="announced", share_context=True,
+                                   is_return=False, greeting="hi")
+    assert received(msgspec.to_builtins(resolution)).resolution == resolution
+    assert received("not a map").resolution is None
