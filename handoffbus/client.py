@@ -15,7 +15,7 @@ import anyio
 import msgspec
 
 from . import errors, tracing
-from .backoff import Backoff, lost_connection
+from .backoff import LOST_CONNECTION, Backoff, lost_connection
 from .config import MAX_PRIORITY
 from .errors import QUEUE_FULL, EncodeError, InvalidRequest, NotPermitted, raise_for_code
 from .handle import HandoffHandle
@@ -385,7 +385,12 @@ class HandoffClient:
         if name == "reject":
             args += ["guard", int(bus.config.route_guard * 1000)]
         record_keys = bus.keys.record(requester, request_id).as_list()
-        reply = await bus.script(name, record_keys, args)
+        try:
+            reply = await bus.script(name, record_keys, args)
+        except LOST_CONNECTION as exc:
+            if lost_connection(exc):  # it may have run: a repeat answered "made already" is counted
+                bus.tally.doubt(handoff_id, name)
+            raise
         code = int(reply[0])
         if code == 2:  # a routed handoff refused: it goes on to another capable agent
             # settled at once, whatever ``settle`` says (see Router.send_on); the forwarder does
@@ -409,7 +414,7 @@ class HandoffClient:
             raise_for_code(code, handoff_id, self.agent_id, name, reply[1] if len(reply) > 1 else None,
                            reply[2] if len(reply) > 2 else None)
         response = response_from_reply(handoff_id, reply[2:], bus.codec)
-        if code == 1:
+        if (bus.tally.resolve(handoff_id, name) and code == 0) or code == 1:
             bus.tally.transition(self.agent_id, response.status, created_ms, response.timestamp_ms)
         if settle:
             await bus.settle(reply[1].decode() if reply[1] else self.agent_id, [handoff_id])

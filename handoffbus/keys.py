@@ -151,6 +151,10 @@ class Keys:
         """Hash of the agent's counters and latency histograms (see handoffbus/stats.py)."""
         return f"{self.slot(agent)}stats"
 
+    def counted(self, agent: str, process: str) -> str:
+        """Zset of the flush numbers of ``process`` added to the agent's stats (see count-2.lua)."""
+        return f"{self.slot(agent)}counted:{process}"
+
     def worker_beat(self, agent: str, consumer: str) -> str:
         """A worker's heartbeat key: its TTL runs out when the worker stops beating."""
         return f"{self.slot(agent)}w:{consumer}"

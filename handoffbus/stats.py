@@ -7,7 +7,9 @@ per agent, batched with whatever else is on the wire. Nothing is added to the pa
 handoff. The hash only ever grows by increments, so any number of processes can add to it,
 and readers (``handoffbus top``, ``check``, the metrics exporter) turn the difference
 between two readings into rates and quantiles. A process that dies loses at most its last
-second of counts.
+second of counts. A lost reply neither loses nor doubles any: a flush is numbered and added
+once (``count-2.lua``), and a transition whose reply was lost is counted when its repeat is
+answered "made already" (``Tally.doubt``).
 
 Fields (all integers): ``requested`` (direct requests made to the agent), ``ACCEPTED``,
 ``REJECTED``, ``COMPLETED``, ``FAILED``, ``EXPIRED``, ``redelivered``; ``decision:<i>`` and
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import uuid
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -59,12 +62,18 @@ class TallyListener(Protocol):
     def timed(self, agent: str, kind: str, seconds: float) -> None: ...
 
 
+#: transitions in doubt a tally remembers
+MAX_IN_DOUBT = 10_000
+
+
 class Tally:
     """Increments not yet added to Redis, by agent; listeners hear of each as it is made."""
 
     def __init__(self) -> None:
         self._pending: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.listeners: list[TallyListener] = []
+        #: (handoff id, script) of transitions sent whose reply was lost, oldest first
+        self._in_doubt: dict[tuple[str, str], None] = {}
 
     def transition(self, agent: str, status: HandoffStatus, created_ms: int = 0, at_ms: int = 0) -> None:
         """``agent`` made a transition; with the request's creation time, its latency too."""
@@ -89,10 +98,18 @@ class Tally:
         pending, self._pending = dict(self._pending), defaultdict(Counter)
         return pending
 
-    def give_back(self, pending: Mapping[str, Counter[str]]) -> None:
-        """Increments that could not be written: they go with the next flush."""
-        for agent, counts in pending.items():
-            self._pending[agent].update(counts)
+    def doubt(self, handoff_id: str, script: str) -> None:
+        """A transition whose reply was lost: it may have run, uncounted. Its repeat, answered
+        "made already" (code 0), is counted then (see ``resolve``). Bounded: the oldest go."""
+        self._in_doubt[(handoff_id, script)] = None
+        if len(self._in_doubt) > MAX_IN_DOUBT:
+            del self._in_doubt[next(iter(self._in_doubt))]
+
+    def resolve(self, handoff_id: str, script: str) -> bool:
+        """Whether that transition was in doubt (it is not any more)."""
+        if not self._in_doubt:  # the usual case: nothing lost
+            return False
+        return self._in_doubt.pop((handoff_id, script), False) is None
 
 
 class AgentCounts(msgspec.Struct, frozen=True, kw_only=True):
@@ -150,7 +167,11 @@ def quantile(histogram: tuple[int, ...], q: float) -> float | None:
 
 class StatsFlusher:
     """Adds a bus's tally to the agents' stats hashes every ``interval`` seconds; the bus
-    flushes once more before it closes."""
+    flushes once more before it closes.
+
+    Each flush of an agent's counts is numbered. One whose reply did not come back (it may
+    have been added) is kept apart and sent again with its number, and the count script adds
+    a number once: given back to the tally instead, it would be added twice when it had run."""
 
     def __init__(self, bus: HandoffBus, interval: float = 1.0) -> None:
         self._bus = bus
@@ -158,31 +179,44 @@ class StatsFlusher:
         # one flush at a time: the closing flush waits for a timed one under way, whose counts
         # would otherwise go back to the tally after the last flush and be lost
         self._lock = anyio.Lock()
+        #: the name this process numbers its flushes under (in its `counted:<process>` keys)
+        self.process = uuid.uuid4().hex[:16]
+        self._number = 0
+        #: flushes not known to be added: (number, agent, counts); at most one per agent, as no
+        #: new flush is made while there are any
+        self._unsure: list[tuple[int, str, Counter[str]]] = []
 
     async def flush(self) -> None:
         async with self._lock:
             await self._flush()
 
     async def _flush(self) -> None:
+        if self._unsure:  # first the flushes not known to be added; new counts wait in the tally
+            await self._send(self._unsure)
+            if self._unsure:
+                return
         bus = self._bus
         pending = bus.tally.take()
         # an isolated agent's user reaches its own slot only: what it counted for others is dropped
         agents = [agent for agent, counts in pending.items() if agent and counts and bus.isolated in (None, agent)]
-        if not agents:
-            return
+        if agents:
+            self._number += 1
+            await self._send([(self._number, agent, pending[agent]) for agent in agents])
+
+    async def _send(self, batches: list[tuple[int, str, Counter[str]]]) -> None:
+        """Send ``batches``; those without a reply stay in ``_unsure``, to be sent again."""
+        bus = self._bus
+        lowest = min(number for number, _, _ in batches)  # numbers below it were all added
         calls: list[tuple[str, list[str], list[Any]]] = []
-        for agent in agents:
-            args: list[Any] = []
-            for name, n in pending[agent].items():
+        for number, agent, counts in batches:
+            args: list[Any] = [number, lowest]
+            for name, n in counts.items():
                 args += [name, n]
-            calls.append(("count", [bus.keys.stats(agent)], args))
-        try:
-            replies = await bus.scripts_many(calls)
-        except BaseException:
-            bus.tally.give_back(pending)
-            raise
-        bus.tally.give_back({agent: pending[agent] for agent, reply in zip(agents, replies, strict=True)
-                             if isinstance(reply, BaseException)})
+            calls.append(("count", [bus.keys.stats(agent), bus.keys.counted(agent, self.process)], args))
+        self._unsure = batches
+        replies = await bus.scripts_many(calls)
+        self._unsure = [batch for batch, reply in zip(batches, replies, strict=True)
+                        if isinstance(reply, BaseException)]
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()

@@ -61,6 +61,7 @@ async def build_state(bus: HandoffBus, url: str) -> None:
     requester = bus.client(REQUESTER)
     specialist = bus.client(TARGET)
     inbox = Inbox(bus, TARGET, "worker-1")
+    bus.stats.process = "3f1c9a0b7d2e4c55"  # the doc's example of a process's flush numbers
 
     # req-42: the doc's running example, queued first; still PENDING and waiting when the doc's commands run
     await requester.request_handoff(request(

@@ -44,7 +44,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "redis-layout.md"
 #: Every key suffix handoffbus/keys.py builds (the doc must explain each).
 SUFFIXES = ("h:", "e:", "p:", "deadlines", "responses", "queue", "inbox", "inflight", "seq", "bell", "dead",
             "workers", "w:", "agents", "requesters", "targets", "sweep-lease", "route", "rmeta", "rclaims", "rseq",
-            "routes", "grants", "outbox", "replies", "stats", "blob:", "s:")
+            "routes", "grants", "outbox", "replies", "stats", "counted:", "blob:", "s:")
 
 
 # ---------------------------------------------------------------------- reading the doc
@@ -79,6 +79,7 @@ def expected_keys() -> set[str]:
     found |= {keys.workers(TARGET), keys.worker_beat(TARGET, "worker-1")}
     found |= {keys.outbox(TARGET), keys.replies(TARGET)}  # an isolated agent's (forwarding.py)
     found.add(keys.stats(TARGET))
+    found.add(keys.counted(TARGET, "3f1c9a0b7d2e4c55"))
     found.add(keys.staged(REQUESTER, "req-45", "9f86d081884c7d65"))
     found.add(keys.blob(REQUESTER, "b80935d45c7fcb544ad1b841005e50e452239aef65d3e0b6c07976a50f356c69"))
     for name, member in vars(Keys).items():

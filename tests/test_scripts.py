@@ -173,7 +173,7 @@ async def test_calls_that_ran_beside_one_whose_script_was_lost_keep_their_replie
     lost = _first_script_lost(monkeypatch, real_bus, ["status", "count"])
     status, count = await real_bus.scripts_many([
         ("status", real_bus.keys.record("a", "nothing").as_list(), ["nothing", 1000, 1000]),
-        ("count", [stats], ["requested", 1])])
+        ("count", [stats, real_bus.keys.counted("a", "p")], [1, 1, "requested", 1])])
     assert lost and isinstance(status, ScriptsFlushed) and count == 1
     assert await real_bus.redis.hget(stats, "requested") == b"1"  # ran once, not again
 
