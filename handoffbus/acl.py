@@ -35,8 +35,8 @@ _STREAMS = ("xadd", "xread", "xreadgroup", "xack", "xclaim", "xautoclaim", "xpen
             "xdel", "xlen", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "xgroup|create",
             "xgroup|createconsumer")
 _DATA = ("get", "set", "del", "unlink", "exists", "type", "pexpire", "pttl", "incr", "rename", "persist", "strlen",
-         "hget", "hmget", "hgetall", "hset", "hdel", "hlen", "hexists", "hscan",
-         "zadd", "zrem", "zrange", "zrangebyscore", "zcard", "zscore", "zpopmin", "zcount",
+         "hget", "hmget", "hgetall", "hset", "hdel", "hlen", "hexists", "hscan", "hincrby",
+         "zadd", "zrem", "zremrangebyscore", "zrange", "zrangebyscore", "zcard", "zscore", "zpopmin", "zcount",
          "sadd", "srem", "smembers", "sismember", "sscan")
 #: what an agent's worker and client run, on their own slot's keys only
 AGENT_COMMANDS = (*_CONNECTION, *_SCRIPTS, *_STREAMS, *_DATA)

@@ -110,8 +110,11 @@ async def test_a_handoff_between_isolated_agents(real_backend: str, servers: dic
         gone = await cancelled.cancel()
         queue_left = await setup.trusted.redis.zcard(setup.trusted.keys.target("nobody-1").queue)
         statuses = [await response_statuses(setup.trusted, "req", h.handoff_id) for h in handles]
+        await setup.buses["echo-1"].stats.flush()  # as its own user: its ACL allows what count runs
+        counted = await setup.trusted.redis.hmget(setup.trusted.keys.stats("echo-1"), "ACCEPTED", "COMPLETED")
     assert [o.result["echo"] for o in outcomes] == [f"r{i}" for i in range(20)]
     assert [o.result["messages"] for o in outcomes] == [8] + [0] * 19
+    assert counted == [b"20", b"20"]
     assert statuses == [["ACCEPTED", "COMPLETED"]] * 20
     assert gone.status is HandoffStatus.CANCELLED and late.status is HandoffStatus.EXPIRED
     assert queue_left == 0  # the cancelled and the expired one were taken out of the queue, by forwarded settles
