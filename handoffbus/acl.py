@@ -33,7 +33,7 @@ _SCRIPTS = ("evalsha",)
 _SCRIPT_LOADING = ("script|load", "script|exists", "multi", "exec", "discard")
 _STREAMS = ("xadd", "xread", "xreadgroup", "xack", "xclaim", "xautoclaim", "xpending", "xrange", "xrevrange",
             "xdel", "xlen", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "xgroup|create",
-            "xgroup|createconsumer")
+            "xgroup|createconsumer", "xgroup|delconsumer")
 _DATA = ("get", "set", "del", "unlink", "exists", "type", "pexpire", "pttl", "incr", "rename", "persist", "strlen",
          "hget", "hmget", "hgetall", "hset", "hdel", "hlen", "hexists", "hscan", "hincrby",
          "zadd", "zrem", "zremrangebyscore", "zrange", "zrangebyscore", "zcard", "zscore", "zpopmin", "zcount",
@@ -42,7 +42,7 @@ _DATA = ("get", "set", "del", "unlink", "exists", "type", "pexpire", "pttl", "in
 AGENT_COMMANDS = (*_CONNECTION, *_SCRIPTS, *_STREAMS, *_DATA)
 #: the forwarder also finds the agents' outboxes and reads cluster layout
 _FORWARDER_EXTRA = (*_SCRIPT_LOADING, "scan", "cluster|slots", "cluster|shards", "cluster|myid", "cluster|info",
-                    "cluster|keyslot", "xgroup|destroy", "xgroup|delconsumer")
+                    "cluster|keyslot", "xgroup|destroy")
 #: the monitor's: reads only, no script at all (a loaded script could loop and stall the
 #: server; the bus reads with plain commands for this user, see plainreads.py)
 _READS = ("xread", "xrange", "xrevrange", "xlen", "xpending", "xinfo|stream", "xinfo|groups", "xinfo|consumers",

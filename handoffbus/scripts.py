@@ -43,6 +43,7 @@ SCRIPT_NAMES = (
     "reclaim",
     "deadletter",
     "register",
+    "retire",
     "route",
     "pull",
     "assign",

@@ -167,3 +167,50 @@ async def test_a_worker_that_loses_the_accept_leaves_the_winners_entry(backend: 
             rescuer.drain()
     assert outcome.status is HandoffStatus.COMPLETED and outcome.result == "rival"
     assert rival.seen == [handle.handoff_id]
+
+
+async def test_the_group_keeps_no_consumer_of_a_worker_that_is_gone(bus: HandoffBus) -> None:
+    """Every worker process joins its agent's group under a name of its own. One that leaves
+    cleanly takes its consumer out of the group; one that died is retired by a live worker
+    once its entries were taken over. A live worker's is kept, even holding nothing, and so
+    is a gone one's while it still holds an entry (deleting it would strand that entry)."""
+    from handoffbus.workers.inbox import Inbox
+
+    from .agents import Echo
+
+    client = bus.client("req")
+    inbox = bus.keys.target("echo-1").inbox
+
+    async def consumers() -> dict[str, int]:
+        return {r["name"].decode(): r["pending"] for r in await bus.redis.xinfo_consumers(inbox, GROUP)}
+
+    first = await client.request_handoff(req("req", "echo-1"))
+    async with anyio.create_task_group() as tg:
+        left = Worker(bus, Echo())
+        await tg.start(left.run)
+        with anyio.fail_after(10):
+            await first.outcome()
+        left.drain()
+    assert left.consumer not in await consumers()  # it left cleanly: out of the group
+
+    # a worker that died holding an entry, and one that died holding nothing
+    held = await client.request_handoff(req("req", "echo-1"))
+    dead = Inbox(bus, "echo-1", "dead-holding")
+    _, [taken] = await dead.take(1)
+    idle_live = Inbox(bus, "echo-1", "live-idle")  # registered, holding nothing
+    for name in ("dead-empty", "live-idle"):  # joined the group, took nothing
+        await bus.redis.xgroup_createconsumer(inbox, GROUP, name)
+    await bus.redis.set(bus.keys.worker_beat("echo-1", "live-idle"), "{}", px=60_000)
+    assert (await dead.retire(["dead-holding"]), await idle_live.retire(["live-idle"])) == (0, 0)
+    assert set(await consumers()) == {"dead-holding", "dead-empty", "live-idle"}
+
+    async with anyio.create_task_group() as tg:
+        worker = Worker(bus, Echo(), reclaim_idle=0.05)
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            await held.outcome()  # taken over from the dead worker
+            while set(await consumers()) - {worker.consumer} != {"live-idle"}:
+                await worker.wait_reclaim_pass()
+        worker.drain()
+    assert taken.handoff_id == held.handoff_id
+    assert set(await consumers()) == {"live-idle"}

@@ -71,6 +71,20 @@ class Inbox:
         False: left alone, another consumer claimed it meanwhile."""
         return bool(await self._bus.script("requeue", self._keys, [GROUP, handoff_id, priority, self.consumer]))
 
+    async def retire(self, consumers: Sequence[str]) -> int:
+        """Delete those of ``consumers`` that are gone and hold nothing from the group (see
+        retire-1.lua); returns how many were."""
+        beats = [self._bus.keys.worker_beat(self.agent, consumer) for consumer in consumers]
+        return int(await self._bus.script("retire", [self._keys[1], *beats], [GROUP, *consumers]))
+
+    async def retire_gone(self, limit: int = 100) -> int:
+        """Retire up to ``limit`` of the group's other consumers that hold nothing and are gone
+        (a worker that crashed, whose entries live workers took over)."""
+        rows = await self._bus.redis.xinfo_consumers(self._keys[1], GROUP)
+        idle = [name for row in rows if row["pending"] == 0
+                and (name := row["name"].decode(errors="replace")) != self.consumer]
+        return await self.retire(idle[:limit]) if idle else 0
+
     async def load(self, handoff_ids: Sequence[str]) -> list[Loaded | None]:
         """What each taken handoff's record says (None where it is gone), in one round trip."""
         return await self._bus.load_records(handoff_ids)

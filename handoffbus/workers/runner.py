@@ -306,6 +306,9 @@ class Worker:
     async def _leave(self) -> None:
         try:
             await self._register(leave=True)
+            # out of the group too, unless it still holds entries (live workers retire it once
+            # they took those over): a group must not keep every worker that ever ran
+            await self._inbox.retire([self.consumer])
         except Exception as exc:  # the bus may be closing: the entry then ages out by its TTL
             self._log.info("%s: could not deregister (%s)", self.consumer, exc)
 
@@ -377,8 +380,19 @@ class Worker:
             await anyio.sleep(self.reclaim_idle / 2)  # a timer: idle entries are looked for twice per period
             try:
                 cursor = await self._reclaim_once(lanes, cursor)
+                await self._retire_gone()
             finally:
                 self._reclaim_pass_done()
+
+    async def _retire_gone(self) -> None:
+        """Delete consumers of workers that are gone and hold nothing any more."""
+        try:
+            retired = await self._inbox.retire_gone()
+        except (RedisError, OSError) as exc:  # no group yet (restored by the next take), or an outage
+            self._log.debug("%s: retiring gone consumers failed (%s)", self.consumer, exc)
+            return
+        if retired:
+            self._log.info("%s: retired %d consumers of workers that are gone", self.consumer, retired)
 
     async def _reclaim_once(self, lanes: Lanes, cursor: bytes | str) -> bytes | str:
         free = self.concurrency - self._active
