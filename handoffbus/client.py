@@ -485,17 +485,21 @@ class HandoffClient:
         """``get_pending_handoffs``, and the queued handoffs it left out as undecodable, with why."""
         agent = check_name(self.agent_id if agent_id is None else agent_id, "agent id")
         bus = self._bus
-        handoff_ids = [h.decode() for h in await bus.redis.zrange(bus.keys.target(agent).queue, 0, -1)]
+        # (a member that is not text, written by hand, is shown escaped, as unreadable)
+        handoff_ids = [h.decode(errors="backslashreplace")
+                       for h in await bus.redis.zrange(bus.keys.target(agent).queue, 0, -1)]
         rows = await bus.load_records(handoff_ids)
         now_ms = await bus.server_time_ms()
         pending, unreadable = [], {}
         for handoff_id, row in zip(handoff_ids, rows, strict=True):
-            if row is None or row.status is not HandoffStatus.PENDING or row.deadline_ms <= now_ms:
+            if row is None:
                 continue
-            if row.request is None:  # a poison record: one must not hide the others
+            if row.request is None:  # a poison record, or no handoff's id: one must not hide the others
                 log.warning("pending handoffs of %s: left out %s, whose record cannot be decoded: %s",
                             agent, handoff_id, row.error)
                 unreadable[handoff_id] = str(row.error)
+                continue
+            if row.status is not HandoffStatus.PENDING or row.deadline_ms <= now_ms:
                 continue
             pending.append(PendingHandoff(
                 handoff_id=handoff_id, request=row.request, created_ms=row.created_ms, deadline_ms=row.deadline_ms,
@@ -515,8 +519,10 @@ class HandoffClient:
         entries = await self._bus.redis.xrange(self._bus.keys.dead_letters(agent), count=count)
         return [
             DeadLetter(
-                entry_id=eid.decode(), handoff_id=f[b"h"].decode(), reason=f[b"reason"].decode(),
-                deliveries=int(f[b"deliveries"]), consumer=f[b"consumer"].decode(),
+                # a queue member that was not text was dead-lettered as it was: shown escaped
+                entry_id=eid.decode(), handoff_id=f[b"h"].decode(errors="backslashreplace"),
+                reason=f[b"reason"].decode(errors="backslashreplace"), deliveries=int(f[b"deliveries"]),
+                consumer=f[b"consumer"].decode(errors="backslashreplace"),
                 at_ms=int(eid.split(b"-")[0]),
             )
             for eid, f in entries

@@ -183,6 +183,7 @@ def test_pending_lists_what_it_can_around_an_undecodable_record(cli: Cli) -> Non
             for name in ("p-1", "p-2", "p-3"):
                 await bus.client("req").request_handoff(req("req", "q-1", request_id=name, reason=name))
             await bus.redis.set(bus.keys.record("req", "p-2").envelope, b"\x92garbage")
+            await bus.redis.zadd(bus.keys.target("q-1").queue, {b"no-handoff-id": 1e15, b"\xff/x": 1e15 + 1})
             _, taken = await Inbox(bus, "q-1", "worker-3").take(1)  # one in flight as well
             assert [d.handoff_id for d in taken] == ["req/p-1"]
 
@@ -194,7 +195,7 @@ def test_pending_lists_what_it_can_around_an_undecodable_record(cli: Cli) -> Non
     assert "left out req/p-2, whose record cannot be decoded" in text.stderr
     listed = cli.json("pending", "q-1")
     assert [p["handoff_id"] for p in listed["queued"]] == ["req/p-3"]
-    assert [u["handoff_id"] for u in listed["unreadable"]] == ["req/p-2"]
+    assert [u["handoff_id"] for u in listed["unreadable"]] == ["req/p-2", "no-handoff-id", "\\xff/x"]
     assert [e["handoff_id"] for e in listed["in_flight"]] == ["req/p-1"]
 
 

@@ -211,16 +211,19 @@ def test_an_agents_retry_must_be_a_retry_policy() -> None:
 # ---------------------------------------------------------------- queue and inbox entries written by hand
 
 
-async def test_a_queue_member_that_is_no_handoff_id_is_dead_lettered(bus: HandoffBus) -> None:
+@pytest.mark.parametrize("member", [b"not-a-handoff-id", b"\xff/x"], ids=["no handoff id", "not text"])
+async def test_a_queue_member_that_is_no_handoff_id_is_dead_lettered(bus: HandoffBus, member: bytes) -> None:
     client, keys = bus.client("req"), bus.keys.target(Echo.agent_id)
-    await bus.redis.zadd(keys.queue, {"not-a-handoff-id": 0})
+    await bus.redis.zadd(keys.queue, {member: 0})
     good = await client.request_handoff(req("req", Echo.agent_id))
     assert [p.handoff_id for p in await client.get_pending_handoffs(Echo.agent_id)] == [good.handoff_id]
     async with serving(bus, Echo(), concurrency=1):  # one at a time: the bad one, queued first, then the good
         with anyio.fail_after(10):
             assert (await good.outcome()).status is HandoffStatus.COMPLETED
-    [dead] = await client.get_dead_letters(Echo.agent_id)
-    assert dead.handoff_id == "not-a-handoff-id" and dead.reason.startswith("InvalidName:")
+    [dead] = await client.get_dead_letters(Echo.agent_id)  # shown escaped when it is not text
+    assert dead.handoff_id == member.decode(errors="backslashreplace") and dead.reason.startswith("InvalidName:")
+    [raw] = [f[b"h"] for _, f in await bus.redis.xrange(bus.keys.dead_letters(Echo.agent_id))]
+    assert raw == member  # kept as it was
     assert (await bus.redis.xpending(keys.inbox, GROUP))["pending"] == 0
     assert await bus.redis.hlen(keys.inflight) == 0
 

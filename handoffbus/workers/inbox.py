@@ -43,8 +43,10 @@ class Inbox:
         Returns the doorbell position to pass to ``wait`` when nothing was taken.
         """
         reply = await self._bus.script("take", self._keys, [GROUP, self.consumer, count, *settle])
+        # a member that is not text (written by hand) keeps its bytes, to be dead-lettered as it is
         taken = [
-            Delivery(handoff_id=reply[i].decode(), entry_id=reply[i + 1].decode()) for i in range(1, len(reply), 2)
+            Delivery(handoff_id=reply[i].decode(errors="surrogateescape"), entry_id=reply[i + 1].decode())
+            for i in range(1, len(reply), 2)
         ]
         return reply[0], taken
 
@@ -94,6 +96,7 @@ class Inbox:
         bus = self._bus
         keys = [self._keys[1], self._keys[2], bus.keys.dead_letters(self.agent)]
         entry: bytes = await bus.script("deadletter", keys, [
-            GROUP, delivery.handoff_id, delivery.entry_id, reason, deliveries, self.consumer, cap,
+            GROUP, delivery.handoff_id.encode(errors="surrogateescape"), delivery.entry_id, reason, deliveries,
+            self.consumer, cap,
         ])
         return entry
