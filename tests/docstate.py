@@ -83,9 +83,11 @@ async def build_state(bus: HandoffBus, url: str) -> None:
     # req-44: queued after req-42 but at priority 0, so served before it
     await requester.request_handoff(request("req-44", 0, "Rotate the leaked staging API key", ["secrets"]))
 
-    # worker-1 registers itself as a live worker of the target (a long time to live, for the doc)
+    # worker-1 registers itself as a live worker of the target, as Worker._register writes it but
+    # with a long time to live, for the doc's commands to find it (a worker's lives three beats)
     await bus.redis.sadd(bus.keys.agents, TARGET)
-    info = b'{"consumer":"worker-1","state":"RUNNABLE","load":1,"limit":8,"capabilities":["oauth"],"ttl_ms":600000}'
+    info = (b'{"consumer":"worker-1","state":"RUNNABLE","load":1,"limit":8,"capabilities":["oauth"],'
+            b'"started_ms":1795408050000,"ttl_ms":600000,"offer_ms":30000}')
     await bus.script("register", [bus.keys.workers(TARGET), bus.keys.worker_beat(TARGET, "worker-1")],
                      ["worker-1", info, 600_000])
 

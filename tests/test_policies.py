@@ -110,8 +110,11 @@ async def test_a_filter_that_returns_no_context_is_a_typed_error(real_backend: s
                 conversation())))
         assert await bus.client("w-1").get_pending_handoffs() == []
     assert isinstance(caught.value, InvalidRequest) and isinstance(caught.value, TypeError)
+    # checked when made, as every setting is: not first when a model's tools are listed
     with pytest.raises(InvalidRequest, match="is_enabled must be a bool or a callable"):
-        await transfer_tools([TransferTarget(agent="a-1", is_enabled="yes")])
+        TransferTarget(agent="a-1", is_enabled="yes")
+    with pytest.raises(InvalidRequest, match=r"invalid TransferTarget\.agent 'bad name!'"):
+        TransferTarget(agent="bad name!")
 
 
 async def test_a_context_the_policy_cannot_read_is_refused_not_sent_unshaped(
@@ -361,7 +364,7 @@ async def test_transfer_tools_and_is_enabled() -> None:
     async def after_hours(run: dict[str, Any]) -> bool:
         return bool(run["after_hours"])
 
-    targets = [TransferTarget(agent="Billing Desk", description="billing questions"),
+    targets = [TransferTarget(agent="Billing.Desk", description="billing questions"),
                TransferTarget(agent="fraud-1", is_enabled=lambda run: run["verified"]),
                TransferTarget(agent="night-1", is_enabled=after_hours),
                TransferTarget(agent="off-1", is_enabled=False)]

@@ -24,6 +24,7 @@ import msgspec
 
 from ..errors import HandoffbusError, InvalidRequest
 from ..models import HandoffRequest
+from ..names import check_name
 from .context import InvalidHook
 from .scenario import Scenario
 
@@ -47,8 +48,12 @@ class TransferTarget(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if not isinstance(self.agent, str) or not self.agent:
             raise InvalidRequest(f"TransferTarget.agent must be an agent id, not {self.agent!r}")
+        check_name(self.agent, "TransferTarget.agent")  # the id a tool call hands off to, as it is
         if not isinstance(self.description, str):
             raise InvalidRequest(f"TransferTarget.description must be a str, not {type(self.description).__name__}")
+        if not (isinstance(self.is_enabled, bool) or callable(self.is_enabled)):
+            raise InvalidHook(f"TransferTarget.is_enabled must be a bool or a callable, not "
+                              f"{type(self.is_enabled).__name__}")
 
 
 def transfer_tool_name(agent: str) -> str:
