@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -108,3 +109,13 @@ async def serve_until_done(
             outcomes = [await h.outcome() for h in handles]
         worker.drain()
     return outcomes, worker
+
+
+async def live(bus: HandoffBus, agent: str, consumer: str) -> None:
+    """Register a live worker of ``agent`` (capability x) without running one."""
+    info = json.dumps({"consumer": consumer, "state": "RUNNABLE", "load": 0, "limit": 4,
+                       "capabilities": ["x"], "started_ms": 0, "ttl_ms": 60000})
+    await bus.script("register", [bus.keys.workers(agent), bus.keys.worker_beat(agent, consumer)],
+                     [consumer, info, 60000])
+    await bus.redis.sadd(bus.keys.agents, agent)
+

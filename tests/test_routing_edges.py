@@ -21,20 +21,11 @@ from handoffbus.workers.inbox import Inbox
 from handoffbus.workers.routes import SCAN, RouteFeed
 
 from .conftest import make_bus
-from .helpers import routed, serving
+from .helpers import live, routed, serving
 from .test_routing import Specialist, outcomes
 
 pytestmark = pytest.mark.anyio
 S = HandoffStatus
-
-
-async def live(bus: HandoffBus, agent: str, consumer: str) -> None:
-    """Register a live worker of ``agent`` (capability x) without running one."""
-    info = json.dumps({"consumer": consumer, "state": "RUNNABLE", "load": 0, "limit": 4,
-                       "capabilities": ["x"], "started_ms": 0, "ttl_ms": 60000})
-    await bus.script("register", [bus.keys.workers(agent), bus.keys.worker_beat(agent, consumer)],
-                     [consumer, info, 60000])
-    await bus.redis.sadd(bus.keys.agents, agent)
 
 
 # ---------------------------------------------------------------------- the expiry sweep

@@ -5,7 +5,6 @@ that met it, nor strands a handoff."""
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -24,7 +23,7 @@ from handoffbus.workers import Accept, ReceivedHandoff, RetryPolicy
 from handoffbus.workers.inbox import Inbox
 
 from .agents import Echo
-from .helpers import req, routed, serving
+from .helpers import live, req, routed, serving
 
 pytestmark = pytest.mark.anyio
 
@@ -44,15 +43,6 @@ async def tamper(bus: HandoffBus, handoff_id: str, **fields: str) -> None:
 def mallorys(**kw: Any) -> HandoffRequest:
     """A routed request (capability x) from a requester that then writes its record by hand."""
     return HandoffRequest(from_agent="mallory", to_agent="", reason="r", capabilities_required=["x"], **kw)
-
-
-async def live(bus: HandoffBus, agent: str, consumer: str) -> None:
-    """Register a live worker of ``agent`` (capability x) without running one."""
-    info = json.dumps({"consumer": consumer, "state": "RUNNABLE", "load": 0, "limit": 4,
-                       "capabilities": ["x"], "started_ms": 0, "ttl_ms": 60000})
-    await bus.script("register", [bus.keys.workers(agent), bus.keys.worker_beat(agent, consumer)],
-                     [consumer, info, 60000])
-    await bus.redis.sadd(bus.keys.agents, agent)
 
 
 # ---------------------------------------------------------------- routed records not as written
