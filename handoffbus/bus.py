@@ -92,8 +92,10 @@ def _blocking_client(redis: Any) -> Any:
     if is_cluster(redis) or type(redis).__module__.startswith("fakeredis"):
         return None
     pool = redis.connection_pool
-    return aioredis.Redis.from_pool(aioredis.ConnectionPool(connection_class=pool.connection_class,
-                                                            **pool.connection_kwargs))
+    # no cap: one connection per blocked reader (redis-py's default of 100 would leave the
+    # readers past it polling on "Too many connections")
+    return aioredis.Redis.from_pool(aioredis.ConnectionPool(
+        connection_class=pool.connection_class, **{**pool.connection_kwargs, "max_connections": 2**31}))
 
 
 log = logging.getLogger("handoffbus")
@@ -278,7 +280,9 @@ class HandoffBus:
             # and the server close, each shielded in its own callback
             await self._stack.aclose()
         self._tg = self._stack = None
-        self._readers.clear()
+        readers, self._readers = list(self._readers.values()), {}
+        for reader in readers:
+            reader.close()  # awaits under way wake now, to find the bus closed
 
     async def _wait_for_scripts(self, missing: Sequence[Script]) -> None:
         """An isolated agent's calls that met NOSCRIPT wait for the forwarder to load the
@@ -403,6 +407,8 @@ class HandoffBus:
         return HandoffClient(self, agent_id)
 
     def reader(self, agent: str, refresh: Callable[[Waiter], Awaitable[None]]) -> ResponseReader:
+        if self._tg is None:  # closed (or never opened): a reader made now would never run
+            raise HandoffbusError("the bus is closed" if self._closed else "the bus is not open: use 'async with bus'")
         reader = self._readers.get(agent)
         if reader is None:
             reader = self._readers[agent] = ResponseReader(self, agent, refresh)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .backoff import LOST_CONNECTION, Backoff, lost_connection
 from .errors import HandoffNotFound
 from .models import TERMINAL, HandoffRecord, HandoffResponse
 from .names import split_handoff_id
@@ -30,45 +31,69 @@ class HandoffHandle:
         # whether this handle holds its waiter: taken when awaited, let go if the handoff is
         # found gone (a handle never awaited holds nothing, so dropping it leaks nothing)
         self._holding = holding
+        # whether the waiter is in step with the record: a request's handle read it when made;
+        # one taken anew, or whose read failed or was cancelled, reads it before it waits
+        self._synced = holding
         self.handoff_id = waiter.handoff_id
         self.request_id = split_handoff_id(waiter.handoff_id)[1]
 
     @property
     def deadline_at(self) -> float | None:
         """When the acceptance deadline falls, on anyio's clock (``anyio.current_time()``), as
-        the server reported it when the request was made (0.0: not known yet; None once decided)."""
+        the server last reported it (None: not known yet, or decided)."""
         return self._waiter.deadline_at
 
     def __repr__(self) -> str:
         return f"<HandoffHandle {self.handoff_id!r}>"
 
-    async def _held(self) -> Waiter:
+    def _held(self) -> Waiter:
         """The waiter to wait on, held by this handle: taken anew if it let go, or if responses
-        no longer reach it (the bus was closed and opened again), and then read at once: what
-        it missed meanwhile is only in the record (and the read starts the bus's reader)."""
+        no longer reach it (the bus was closed and opened again). Taken anew, it is not in
+        step with the record: what it missed meanwhile is only there (``_sync``)."""
         reader = self._client._reader()
         if not (self._holding and reader.holds(self._waiter)):
             self._waiter = reader.watch(self.handoff_id)
             self._holding = True
-            await self._reread()
+            self._synced = False
         return self._waiter
 
+    async def _sync(self, backoff: Backoff) -> None:
+        """Read the record into the waiter, unless Redis is out of reach: then the waiter
+        stays out of step, and the caller waits a backoff before the next try (the response
+        reader rides out the outage too, and a response it reads meanwhile ends the wait)."""
+        try:
+            await self._reread()
+        except LOST_CONNECTION as exc:
+            if not lost_connection(exc):
+                raise
+            self._synced = False
+            return
+        self._synced = True
+        backoff.reset()
+
     async def decision(self) -> HandoffResponse:
-        """ACCEPTED, REJECTED, EXPIRED or CANCELLED; always arrives by the acceptance deadline.
+        """ACCEPTED, REJECTED, EXPIRED or CANCELLED; always arrives by the acceptance deadline
+        (while Redis can be reached).
 
         To bound the wait further, wrap it: ``with anyio.fail_after(5): await handle.decision()``.
         """
+        backoff = Backoff(cap=2.0)
         while self._waiter.decision is None:
-            waiter = await self._held()
+            waiter = self._held()
+            if not self._synced:
+                await self._sync(backoff)
             if waiter.decision is not None:
                 break
-            wait = _SAFETY_REFRESH
-            if waiter.deadline_at is not None:
-                wait = min(wait, max(waiter.deadline_at - clock(), 0) + _DEADLINE_GRACE)
+            if not self._synced:
+                wait = backoff.delay()
+            else:
+                wait = _SAFETY_REFRESH
+                if waiter.deadline_at is not None:
+                    wait = min(wait, max(waiter.deadline_at - clock(), 0) + _DEADLINE_GRACE)
             await waiter.wait_decided(wait)
             if waiter.decision is None:
-                # at or past the deadline the status script itself makes the handoff EXPIRED
-                await self._reread()
+                # read again: at or past the deadline the status script itself makes it EXPIRED
+                self._synced = False
         decision = self._waiter.decision
         assert decision is not None
         return decision
@@ -78,13 +103,16 @@ class HandoffHandle:
         decision = await self.decision()
         if decision.status in TERMINAL:
             return decision
+        backoff = Backoff(cap=2.0)
         while self._waiter.outcome is None:
-            waiter = await self._held()
+            waiter = self._held()
+            if not self._synced:
+                await self._sync(backoff)
             if waiter.outcome is not None:
                 break
-            await waiter.wait_finished(_SAFETY_REFRESH)
+            await waiter.wait_finished(_SAFETY_REFRESH if self._synced else backoff.delay())
             if waiter.outcome is None:
-                await self._reread()
+                self._synced = False  # the safety refresh: read the record again
         outcome = self._waiter.outcome
         assert outcome is not None
         return outcome

@@ -93,6 +93,7 @@ class Waiter:
                     response, status=HandoffStatus.ACCEPTED, result=None, error=None, metadata={}
                 )
             if self.decision is not None:
+                self.deadline_at = None  # decided: no deadline to wait for
                 _wake(self._on_decision)
         if self.outcome is None and response.status in TERMINAL:
             self.outcome = response
@@ -181,6 +182,12 @@ class ResponseReader:
         if waiter.holders <= 0:
             self.forget(waiter)
 
+    def close(self) -> None:
+        """The bus closed: every task waiting on a waiter wakes, to find the bus closed."""
+        for waiter in self._waiters.values():
+            _wake(waiter._on_decision)
+            _wake(waiter._on_outcome)
+
     def forget(self, waiter: Waiter) -> None:
         if self._waiters.get(waiter.handoff_id) is waiter:
             del self._waiters[waiter.handoff_id]
@@ -233,6 +240,7 @@ class ResponseReader:
     async def _read(self, line: Line | None) -> None:
         redis = self._bus.blocking_redis
         block_ms = int(self._bus.config.read_block * 1000)
+        retention_ms = self._bus.config.response_retention_ms
         backoff = Backoff(cap=2.0)
         while True:
             assert self._cursor is not None
@@ -252,7 +260,14 @@ class ResponseReader:
                     continue
                 backoff.reset()
                 continue
+            trimmed = False
             for _stream, entries in reply.items() if isinstance(reply, dict) else reply or ():  # RESP3: a map
+                # each XADD trims the stream below its time less the retention: one that far past
+                # the cursor may have trimmed entries this reader had yet to read (it lagged). A
+                # cursor of 0 is a stream that was empty when reading began: nothing read yet
+                cursor_ms = entry_position(self._cursor)[0]
+                if entries and 0 < cursor_ms < entry_position(entries[-1][0])[0] - retention_ms:
+                    trimmed = True
                 for entry_id, fields in entries:
                     self._cursor = entry_id
                     try:
@@ -261,3 +276,9 @@ class ResponseReader:
                         self._dispatch(fields, entry_id)
                     except Exception:
                         log.exception("undecodable response %r on %s", entry_id, self._stream)
+            if trimmed:  # what was trimmed is on the records
+                try:
+                    await self._resync()
+                except (RedisError, OSError) as exc:
+                    log.warning("response reader for %s: %s; the records are read again at the safety refresh",
+                                self._agent, exc)

@@ -397,3 +397,132 @@ async def test_responses_heard_before_the_request_returns_are_kept(bus: HandoffB
     with anyio.fail_after(5):
         outcome = await handle.outcome()
     assert outcome.status is HandoffStatus.COMPLETED and outcome.result == "early"
+
+
+async def test_closing_the_bus_wakes_every_await_with_a_typed_error(backend: str, servers: Servers) -> None:
+    """Awaits under way when the bus closes end at once with "the bus is closed", not at their
+    next re-read (up to 30 s later); a handle awaited on a closed bus says so too."""
+    from handoffbus import HandoffbusError
+
+    bus = make_bus(backend, servers)
+    errors: list[str] = []
+    async with anyio.create_task_group() as tg:
+        async with bus:
+            alice = bus.client("alice")
+            handle = await alice.request_handoff(req("alice", "bob", timeout=600))
+            other = await alice.request_handoff(req("alice", "bob", timeout=600))
+
+            async def awaiting(wait: Any) -> None:
+                with pytest.raises(HandoffbusError, match="the bus is closed") as raised:
+                    await wait()
+                errors.append(str(raised.value))
+
+            tg.start_soon(awaiting, handle.decision)
+            tg.start_soon(awaiting, other.outcome)
+            await anyio.wait_all_tasks_blocked()
+        with anyio.fail_after(5):  # not at the 30 s safety re-read
+            while len(errors) < 2:
+                await anyio.wait_all_tasks_blocked()
+                await anyio.lowlevel.checkpoint()
+    with pytest.raises(HandoffbusError, match="the bus is closed"):
+        await handle.outcome()
+    assert bus._readers == {}  # no reader made on the closed bus
+
+
+async def test_a_handle_whose_first_read_was_cut_short_reads_again(bus: HandoffBus) -> None:
+    """A handle made from an id reads the record when first awaited. That read cancelled by
+    the caller's timeout, the next await must read it (and so start the reader), not wait
+    30 s for a push that no reader will bring."""
+    alice, bob = bus.client("alice"), bus.client("bob")
+    made = await alice.request_handoff(req("alice", "bob"))
+    handle = alice.handle(made.handoff_id)
+    with anyio.move_on_after(0):
+        await handle.decision()  # cancelled before its read
+    await bob.accept_handoff(made.handoff_id)
+    with anyio.fail_after(5):
+        assert (await handle.decision()).status is HandoffStatus.ACCEPTED
+    assert handle.deadline_at is None  # decided: no deadline to wait for
+
+
+@pytest.mark.parametrize("server", list(SERVER_BINARIES))  # a cluster's reader has no line of its own to hold
+async def test_a_response_trimmed_before_a_lagging_reader_read_it_is_found_on_its_record(
+        server: str, servers: Servers) -> None:
+    """The response stream is trimmed by age at each XADD. A reader that lagged past the
+    retention may find entries gone it had yet to read: it reads its waiters' records then,
+    rather than leave their handles to the 30 s safety re-read."""
+    async with make_bus(server, servers, response_retention=0.05) as bus:
+        alice, bob = bus.client("alice"), bus.client("bob")
+        lines: list[HeldLine] = []
+        blocking_line = bus.blocking_line
+        reading = anyio.Event()
+
+        def held_line() -> Any:
+            lines.append(HeldLine(blocking_line()))
+            reading.set()
+            return lines[-1]
+
+        bus.blocking_line = held_line  # type: ignore[method-assign]
+        first = await alice.request_handoff(req("alice", "bob"))
+        target = await alice.request_handoff(req("alice", "bob"))
+        fillers = [await alice.request_handoff(req("alice", "bob")) for _ in range(150)]
+        await reading.wait()
+        [line] = lines
+        line.holding = True
+        await bob.accept_handoff(first.handoff_id)
+        await line.held.wait()  # the reader lags from here
+        await bob.accept_handoff(target.handoff_id)
+        await bob.complete_handoff(target.handoff_id, result="done")
+        for filler in fillers[:120]:  # a whole stream node (100 entries) of responses the reader lags on
+            await bob.reject_handoff(filler.handoff_id, reason="no")
+        start = await bus.server_time_ms()
+        while await bus.server_time_ms() <= start + 60:  # past the retention, by the server's clock
+            await anyio.lowlevel.checkpoint()
+        for filler in fillers[120:]:  # their XADDs trim the nodes older than the retention
+            await bob.reject_handoff(filler.handoff_id, reason="no")
+        left = await bus.redis.xrange(bus.keys.responses("alice"))
+        assert target.handoff_id.encode() not in {f[b"id"] for _, f in left}  # trimmed unread
+        line.released.set()
+        with anyio.fail_after(10):  # not at the 30 s safety re-read
+            outcome = await target.outcome()
+        assert outcome.status is HandoffStatus.COMPLETED and outcome.result == "done"
+
+
+async def test_a_re_read_that_meets_an_outage_is_tried_again_not_raised(backend: str, servers: Servers) -> None:
+    """At the deadline a handle reads the record (the read expires it). Redis out of reach
+    then, it tries again after a backoff, as the reader does: an outage is not the caller's
+    error to handle, and would not be a HandoffbusError."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    async with make_bus(backend, servers, sweep_interval=60) as bus:  # no sweep to expire it first
+        alice = bus.client("alice")
+        handle = await alice.request_handoff(req("alice", "bob", timeout=0.2))
+        refresh, lost = alice._refresh, []
+
+        async def lost_once(waiter: Any) -> None:
+            if not lost:
+                lost.append(waiter.handoff_id)
+                raise RedisConnectionError("connection lost")
+            await refresh(waiter)
+
+        alice._refresh = lost_once  # type: ignore[method-assign]
+        with anyio.fail_after(10):
+            decision = await handle.decision()
+    assert lost == [handle.handoff_id] and decision.status is HandoffStatus.EXPIRED
+
+
+@pytest.mark.parametrize("server", list(SERVER_BINARIES))  # a cluster client's pool is its own
+async def test_more_readers_than_a_pools_default_cap_all_block_and_are_pushed_to(
+        server: str, servers: Servers) -> None:
+    """One blocked connection per requester id read: past redis-py's default cap of 100 the
+    readers would poll on "Too many connections" instead of blocking."""
+    async with make_bus(server, servers) as bus:
+        clients = [bus.client(f"r{i}") for i in range(110)]
+        handles = [await c.request_handoff(req(c.agent_id, "bob")) for c in clients]
+        with anyio.fail_after(20):
+            while sum(1 for c in await bus.redis.client_list() if c.get("cmd") == "xread") < 110:
+                await anyio.wait_all_tasks_blocked()
+        bob = bus.client("bob")
+        for handle in handles:
+            await bob.reject_handoff(handle.handoff_id, reason="no")
+        with anyio.fail_after(10):
+            assert {(await h.decision()).status for h in handles} == {HandoffStatus.REJECTED}
