@@ -406,6 +406,11 @@ class HandoffBus:
             raise InvalidRequest(f"this bus is isolated as {self.isolated!r}; it cannot act as {agent_id!r}")
         return HandoffClient(self, agent_id)
 
+    def drop_reader(self, agent: str, reader: ResponseReader) -> None:
+        """``reader`` has retired (nothing to wait for): the next ``reader(agent)`` makes a new one."""
+        if self._readers.get(agent) is reader:
+            del self._readers[agent]
+
     def reader(self, agent: str, refresh: Callable[[Waiter], Awaitable[None]]) -> ResponseReader:
         if self._tg is None:  # closed (or never opened): a reader made now would never run
             raise HandoffbusError("the bus is closed" if self._closed else "the bus is not open: use 'async with bus'")

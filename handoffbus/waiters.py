@@ -260,6 +260,12 @@ class ResponseReader:
                     continue
                 backoff.reset()
                 continue
+            if not reply and not self._waiters:
+                # a whole read_block without a response or anyone waiting: the reader retires,
+                # with its task and connection (one per requester id a process ever used would
+                # add up); the next request of this requester starts a new one
+                self._bus.drop_reader(self._agent, self)
+                return
             trimmed = False
             for _stream, entries in reply.items() if isinstance(reply, dict) else reply or ():  # RESP3: a map
                 # each XADD trims the stream below its time less the retention: one that far past

@@ -526,3 +526,23 @@ async def test_more_readers_than_a_pools_default_cap_all_block_and_are_pushed_to
             await bob.reject_handoff(handle.handoff_id, reason="no")
         with anyio.fail_after(10):
             assert {(await h.decision()).status for h in handles} == {HandoffStatus.REJECTED}
+
+
+async def test_a_reader_with_nothing_to_wait_for_retires(backend: str, servers: Servers) -> None:
+    """A reader, with its task and blocked connection, lasts while something waits on it: a
+    process that requested as many agents over time does not keep one per agent for ever.
+    The agent's next request starts a new one, which hears that handoff."""
+    async with make_bus(backend, servers, read_block=0.05) as bus:
+        alice, bob = bus.client("alice"), bus.client("bob")
+        first = await alice.request_handoff(req("alice", "bob"))
+        await bob.reject_handoff(first.handoff_id, reason="no")
+        with anyio.fail_after(5):
+            await first.decision()  # nothing waits on the reader from here
+            retired = bus.reader("alice", alice._refresh)
+            while bus._readers.get("alice") is retired:  # at its next empty read
+                await anyio.lowlevel.checkpoint()
+        second = await alice.request_handoff(req("alice", "bob"))
+        await bob.accept_handoff(second.handoff_id)
+        with anyio.fail_after(5):
+            assert (await second.decision()).status is HandoffStatus.ACCEPTED
+        assert bus._readers["alice"] is not retired
