@@ -214,3 +214,44 @@ async def test_the_group_keeps_no_consumer_of_a_worker_that_is_gone(bus: Handoff
         worker.drain()
     assert taken.handoff_id == held.handoff_id
     assert set(await consumers()) == {"live-idle"}
+
+
+async def test_a_worker_that_lost_contact_claims_nothing_until_contact_held_for_a_while(bus: HandoffBus) -> None:
+    """After an outage every worker's entries look idle (their beats failed too; a server's
+    idle times run on while it is down): a worker that lost contact claims nothing until it
+    has had ``reclaim_idle`` of unbroken contact, time for the holders to beat again."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from handoffbus.workers.inbox import Inbox
+
+    from .agents import Echo
+
+    client = bus.client("req")
+    handle = await client.request_handoff(req("req", "echo-1"))
+    _, [taken] = await Inbox(bus, "echo-1", "holder").take(1)
+    inbox = bus.keys.target("echo-1").inbox
+    await bus.redis.xclaim(inbox, GROUP, "holder", 0, [taken.entry_id], idle=60_000)  # it looks idle
+
+    async def holder() -> str:
+        [row] = await bus.redis.xpending_range(inbox, GROUP, min=taken.entry_id, max=taken.entry_id, count=1)
+        return str(row["consumer"].decode())
+
+    async with anyio.create_task_group() as tg:
+        worker = Worker(bus, Echo(), reclaim_idle=1.0)
+        await tg.start(worker.run)
+        probe, lost = bus.server_time_ms, []
+
+        async def lost_once() -> int:
+            if not lost:
+                lost.append("the reclaim's probe")
+                raise RedisConnectionError("connection lost")
+            return await probe()
+
+        bus.server_time_ms = lost_once  # type: ignore[method-assign]
+        with anyio.fail_after(10):
+            while not lost:
+                await worker.wait_reclaim_pass()
+            await worker.wait_reclaim_pass()  # the next pass, half a reclaim_idle later
+            assert await holder() == "holder"  # not taken while contact is fresh
+            assert (await handle.outcome()).status is HandoffStatus.COMPLETED  # taken over later
+        worker.drain()

@@ -15,6 +15,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import math
 import os
 import signal
 import socket
@@ -179,6 +180,8 @@ class Worker:
         self._active = 0
         self._changed = anyio.Event()  # a handler finished, or drain was asked for
         self._draining = False
+        #: when this worker last found Redis out of reach or slow (see _lost_contact); never yet
+        self._contact_since = -math.inf
         self._fetch_scope: anyio.CancelScope | None = None
         self._stop_scope: anyio.CancelScope | None = None
         #: handoffs this worker decided or finished, by final status (for operators and tests)
@@ -323,6 +326,7 @@ class Worker:
                     await self._register()
                 await self._routes.refresh()
             except (RedisError, OSError) as exc:
+                self._lost_contact()
                 self._log.warning("%s: registry heartbeat failed (%s)", self.consumer, exc)
 
     async def _heartbeat_loop(self) -> None:
@@ -330,10 +334,29 @@ class Worker:
         while True:
             await anyio.sleep(self.reclaim_idle / 3)  # a timer: beats three times per idle period
             if self._entries:
-                try:
-                    await self._touch(list(self._entries))
-                except (RedisError, OSError) as exc:
+                await self._beat_entries()
+
+    async def _beat_entries(self) -> None:
+        """Touch the running handoffs' entries, trying again at once after a failure: a
+        connection the server dropped fails its first command, and a beat missed three times
+        in a row lets another worker take live work over."""
+        backoff = Backoff(first=0.05, cap=0.4)
+        for attempt in range(4):
+            try:
+                await self._touch(list(self._entries))
+                return
+            except (RedisError, OSError) as exc:
+                self._lost_contact()
+                if attempt == 3:
                     self._log.warning("%s: heartbeat failed (%s)", self.consumer, exc)
+                    return
+            await anyio.sleep(backoff.delay())  # the retry's backoff
+
+    def _lost_contact(self) -> None:
+        """Redis was out of reach, or slow to answer: other workers' entries look idle to this
+        one for a while (their beats failed too, and a server's idle times run on while it is
+        down), so it claims none until ``reclaim_idle`` of unbroken contact has passed."""
+        self._contact_since = anyio.current_time()
 
     async def _touch(self, hids: list[str]) -> None:
         """Reset the idle time of the inbox entries of handoffs this worker is handling (XCLAIM
@@ -396,9 +419,16 @@ class Worker:
 
     async def _reclaim_once(self, lanes: Lanes, cursor: bytes | str) -> bytes | str:
         free = self.concurrency - self._active
-        if free <= 0 or self._draining:
+        if free <= 0 or self._draining or anyio.current_time() - self._contact_since < self.reclaim_idle:
             return cursor
         try:
+            # a server that froze answers late: claims sent now would land after the thaw,
+            # before the holders' beats, and take their running work
+            asked = anyio.current_time()
+            await self.bus.server_time_ms()
+            if anyio.current_time() - asked > self.reclaim_idle / 3:
+                self._lost_contact()
+                return cursor
             reply = await self.bus.redis.xautoclaim(
                 self._inbox_key, GROUP, self.consumer, int(self.reclaim_idle * 1000), cursor, count=free
             )
@@ -434,6 +464,7 @@ class Worker:
                 self._log.warning("%s: restoring the consumer group failed (%s)", self.consumer, again)
             return "0-0"
         except (RedisError, OSError) as exc:
+            self._lost_contact()
             self._log.warning("%s: reclaim failed (%s)", self.consumer, exc)
             return cursor
         for delivery, row in zip(taken, loaded, strict=True):
@@ -489,6 +520,8 @@ class Worker:
                     continue
                 loaded = await self._inbox.load([d.handoff_id for d in taken])
             except (RedisError, OSError) as exc:
+                if not isinstance(exc, CallRefused):  # an answer (isolated: a pull not granted)
+                    self._lost_contact()
                 self._done = done + self._done  # settle them next time
                 carried = taken  # delivered to this consumer already: not left for a reclaim
                 for delivery in carried:  # held: kept fresh by the heartbeat, and not reclaimed by this worker
