@@ -248,6 +248,8 @@ class HandoffClient:
                     followed = await self._follow_again(keys.record, follow, followed)
             for failed in replies[:len(record_calls)]:
                 if isinstance(failed, BaseException):
+                    if resubmittable and lost_connection(failed):  # it may stand: counted when resubmitted
+                        bus.tally.doubt(handoff_id, "request")
                     raise failed
             code = int(reply[0])
             status = HandoffStatus(reply[1].decode()) if code >= 0 else None
@@ -274,8 +276,11 @@ class HandoffClient:
                 if code == 1:  # created by this call: take it back (unless a resubmission joined it since)
                     await bus.script("withdraw", keys.as_list(), [request.request_id])
                 raise_for_code(QUEUE_FULL, handoff_id, self.agent_id, "request", request.to_agent.encode())
-            if code == 1:  # a new handoff ("" for a routed one: counted by listeners, not in Redis)
+            # a new handoff ("" for a routed one: counted by listeners, not in Redis), or one whose
+            # creating call's reply was lost, found by its resubmission
+            if (bus.tally.resolve(handoff_id, "request") and code == 0) or code == 1:
                 bus.tally.add(request.to_agent, "requested")
+            if code == 1:
                 reader.created(waiter, reply[4])
             waiter.set_deadline(int(reply[2]), int(reply[3]))
             late = reader.start(reply[4])

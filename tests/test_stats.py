@@ -252,3 +252,27 @@ async def test_a_transition_repeated_after_its_reply_was_lost_is_counted_once(re
     stats = await real_bus.redis.hgetall(real_bus.keys.stats("b"))
     assert (stats[b"ACCEPTED"], stats[b"COMPLETED"]) == (b"1", b"1")
 
+
+
+async def test_a_request_whose_reply_was_lost_is_counted_once_when_resubmitted(real_bus: HandoffBus) -> None:
+    """A request with the caller's own id whose reply was lost is resubmitted, as the README
+    says to; the resubmission finds it made and counts it, once."""
+    scripts_many = real_bus.scripts_many
+    lost: list[str] = []
+
+    async def reply_lost(calls: list) -> list:
+        replies = await scripts_many(calls)
+        if calls[0][0] == "request" and not lost:
+            lost.append(calls[0][2][0])
+            return [RedisConnectionError("connection lost")] * len(calls)
+        return replies
+
+    real_bus.scripts_many = reply_lost  # type: ignore[method-assign]
+    client = real_bus.client("req")
+    with pytest.raises(RedisConnectionError):
+        await client.request_handoff(req("req", "b", request_id="mine"))
+    for _ in range(2):  # the resubmission, then one more, never in doubt
+        await client.request_handoff(req("req", "b", request_id="mine"))
+    await real_bus.stats.flush()
+    assert lost == ["req/mine"]
+    assert await real_bus.redis.hget(real_bus.keys.stats("b"), "requested") == b"1"
