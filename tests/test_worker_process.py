@@ -134,3 +134,18 @@ async def test_a_second_sigterm_ends_a_worker_whose_plain_hook_blocks(servers: d
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+@pytest.mark.parametrize("server", ["valkey"])  # the process's own start, whatever the server
+async def test_a_sigterm_as_soon_as_it_says_it_serves_drains(server: str, servers: dict) -> None:
+    """"serving" is what a supervisor waits for: from then on a SIGTERM drains (exit 0, its
+    drained line), never kills the process undrained."""
+    from .helpers import start_worker
+
+    for _ in range(3):
+        process, lines = await start_worker(servers[server].url, "sigterm-at-once", "tests.agents:Echo")
+        process.send_signal(signal.SIGTERM)  # at once: the line was just read
+        with anyio.fail_after(30):
+            assert await process.wait() == 0
+            assert b"drained" in await lines.receive_until(b"\n", 4096)
+        await process.aclose()

@@ -154,15 +154,18 @@ async def _worker(opts: Options, url: str, agents: list[Agent], concurrency: int
                                   policy=policy) as bus:
         workers = [Worker(bus, agent, concurrency=concurrency, grace=grace, reclaim_idle=reclaim_idle)
                    for agent in agents]
-        for w in workers:
-            print(f"worker {w.consumer} serving {w.agent.agent_id}", flush=True)
+
+        def ready() -> None:  # printed once a SIGTERM drains: what a supervisor may wait for
+            for w in workers:
+                print(f"worker {w.consumer} serving {w.agent.agent_id}", flush=True)
+
         async with anyio.create_task_group() as tg:
             if registry is not None:
                 from ..metrics import Metrics
 
                 agents_served = sorted({w.agent.agent_id for w in workers})
                 tg.start_soon(Metrics(bus, registry).keep_fresh, METRICS_REFRESH, agents_served, workers)
-            await serve_until_signalled(workers)
+            await serve_until_signalled(workers, ready)
             tg.cancel_scope.cancel()
         for w in workers:
             print(f"worker {w.consumer} drained: {dict(w.handled)}", flush=True)

@@ -767,13 +767,16 @@ class Worker:
             raise LeaseLost(hid, (holder or b"").decode())
 
 
-async def serve_until_signalled(workers: list[Worker]) -> None:
+async def serve_until_signalled(workers: list[Worker], ready: Callable[[], None] | None = None) -> None:
     """Run several workers in one process until SIGTERM/SIGINT: the first signal drains them all,
-    a second stops them at once."""
+    a second stops them at once. ``ready`` is called once the signals are handled (a signal
+    before that would end the process undrained)."""
     async with anyio.create_task_group() as tg:
 
         async def on_signals() -> None:
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                if ready is not None:
+                    ready()
                 async for signum in signals:
                     log.info("received %s: draining %d workers", signal.Signals(signum).name, len(workers))
                     for worker in workers:
