@@ -319,6 +319,22 @@ class HeldLine:
         await self.line.close()
 
 
+def held_lines(bus: HandoffBus) -> tuple[list[HeldLine], anyio.Event]:
+    """The bus's response readers read through HeldLines from now (listed as they are made);
+    the event is set once the first is made."""
+    lines: list[HeldLine] = []
+    blocking_line = bus.blocking_line
+    reading = anyio.Event()
+
+    def held_line() -> Any:
+        lines.append(HeldLine(blocking_line()))
+        reading.set()
+        return lines[-1]
+
+    bus.blocking_line = held_line  # type: ignore[method-assign]
+    return lines, reading
+
+
 @pytest.mark.parametrize("caught_up", ["after the request", "while the request is on its way"])
 async def test_a_request_id_used_again_hears_only_its_own_handoff(
     real_backend: str, servers: Servers, caught_up: str
@@ -328,16 +344,7 @@ async def test_a_request_id_used_again_hears_only_its_own_handoff(
     whether the reader passes them on before or after the request returns."""
     async with make_bus(real_backend, servers) as bus:
         alice, bob = bus.client("alice"), bus.client("bob")
-        lines: list[HeldLine] = []
-        blocking_line = bus.blocking_line
-        reading = anyio.Event()
-
-        def held_line() -> Any:
-            lines.append(HeldLine(blocking_line()))
-            reading.set()
-            return lines[-1]
-
-        bus.blocking_line = held_line  # type: ignore[method-assign]
+        lines, reading = held_lines(bus)
         await alice.request_handoff(req("alice", "bob", request_id="r1", reason="first"))
         await reading.wait()
         [line] = lines
@@ -452,16 +459,7 @@ async def test_a_response_trimmed_before_a_lagging_reader_read_it_is_found_on_it
     rather than leave their handles to the 30 s safety re-read."""
     async with make_bus(server, servers, response_retention=0.05) as bus:
         alice, bob = bus.client("alice"), bus.client("bob")
-        lines: list[HeldLine] = []
-        blocking_line = bus.blocking_line
-        reading = anyio.Event()
-
-        def held_line() -> Any:
-            lines.append(HeldLine(blocking_line()))
-            reading.set()
-            return lines[-1]
-
-        bus.blocking_line = held_line  # type: ignore[method-assign]
+        lines, reading = held_lines(bus)
         first = await alice.request_handoff(req("alice", "bob"))
         target = await alice.request_handoff(req("alice", "bob"))
         fillers = [await alice.request_handoff(req("alice", "bob")) for _ in range(150)]
