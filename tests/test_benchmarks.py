@@ -38,7 +38,10 @@ def test_worker_process_benchmark_runs(tmp_path: Path) -> None:
         stages = r["stages_ms"]
         assert list(stages) == ["request", "to accepted", "to completed", "heard"]
         assert stages["request"]["p50"] > 0 and stages["to completed"]["p50"] >= 0
-        assert all(-2 <= stage["p50"] <= stage["max"] <= r["outcome_ms"]["max"] + 2 for stage in stages.values())
+        # "to accepted" counts from when request_handoff returned, and a worker may accept before
+        # that: by up to the request's own time (a busy loop returns late), never more
+        floor = -stages["request"]["max"] - 2
+        assert all(floor <= stage["p50"] <= stage["max"] <= r["outcome_ms"]["max"] + 2 for stage in stages.values())
 
 
 def test_the_suite_runs_every_case(tmp_path: Path) -> None:
