@@ -278,7 +278,7 @@ class HandoffClient:
                 raise_for_code(QUEUE_FULL, handoff_id, self.agent_id, "request", request.to_agent.encode())
             # a new handoff ("" for a routed one: counted by listeners, not in Redis), or one whose
             # creating call's reply was lost, found by its resubmission
-            if (bus.tally.resolve(handoff_id, "request") and code == 0) or code == 1:
+            if bus.tally.made(handoff_id, "request", code):
                 bus.tally.add(request.to_agent, "requested")
             if code == 1:
                 reader.created(waiter, reply[4])
@@ -419,7 +419,7 @@ class HandoffClient:
             raise_for_code(code, handoff_id, self.agent_id, name, reply[1] if len(reply) > 1 else None,
                            reply[2] if len(reply) > 2 else None)
         response = response_from_reply(handoff_id, reply[2:], bus.codec)
-        if (bus.tally.resolve(handoff_id, name) and code == 0) or code == 1:
+        if bus.tally.made(handoff_id, name, code):
             bus.tally.transition(self.agent_id, response.status, created_ms, response.timestamp_ms)
         if settle:
             await bus.settle(reply[1].decode() if reply[1] else self.agent_id, [handoff_id])

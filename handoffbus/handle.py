@@ -77,45 +77,42 @@ class HandoffHandle:
 
         To bound the wait further, wrap it: ``with anyio.fail_after(5): await handle.decision()``.
         """
-        backoff = Backoff(cap=2.0)
-        while self._waiter.decision is None:
-            waiter = self._held()
-            if not self._synced:
-                await self._sync(backoff)
-            if waiter.decision is not None:
-                break
-            if not self._synced:
-                wait = backoff.delay()
-            else:
-                wait = _SAFETY_REFRESH
-                if waiter.deadline_at is not None:
-                    wait = min(wait, max(waiter.deadline_at - clock(), 0) + _DEADLINE_GRACE)
-            await waiter.wait_decided(wait)
-            if waiter.decision is None:
-                # read again: at or past the deadline the status script itself makes it EXPIRED
-                self._synced = False
-        decision = self._waiter.decision
-        assert decision is not None
-        return decision
+        return await self._until_known(outcome=False)
 
     async def outcome(self) -> HandoffResponse:
         """COMPLETED or FAILED, or the decision when it was final (REJECTED, EXPIRED, CANCELLED)."""
         decision = await self.decision()
         if decision.status in TERMINAL:
             return decision
+        return await self._until_known(outcome=True)
+
+    def _known(self, outcome: bool) -> HandoffResponse | None:
+        return self._waiter.outcome if outcome else self._waiter.decision
+
+    async def _until_known(self, *, outcome: bool) -> HandoffResponse:
+        """Wait for the decision (or the outcome): pushed by the reader, or found in the record,
+        which is read when the waiter is out of step, at the deadline (a decision: the read
+        itself expires it), at least every ``_SAFETY_REFRESH``, and after a backoff while Redis
+        is out of reach."""
         backoff = Backoff(cap=2.0)
-        while self._waiter.outcome is None:
+        while self._known(outcome) is None:
             waiter = self._held()
             if not self._synced:
                 await self._sync(backoff)
-            if waiter.outcome is not None:
+            if self._known(outcome) is not None:
                 break
-            await waiter.wait_finished(_SAFETY_REFRESH if self._synced else backoff.delay())
-            if waiter.outcome is None:
-                self._synced = False  # the safety refresh: read the record again
-        outcome = self._waiter.outcome
-        assert outcome is not None
-        return outcome
+            if not self._synced:
+                wait = backoff.delay()
+            else:
+                wait = _SAFETY_REFRESH
+                if not outcome and waiter.deadline_at is not None:
+                    wait = min(wait, max(waiter.deadline_at - clock(), 0) + _DEADLINE_GRACE)
+            await (waiter.wait_finished if outcome else waiter.wait_decided)(wait)
+            if self._known(outcome) is None:
+                self._synced = False  # read the record again
+        known = self._known(outcome)
+        assert known is not None
+        return known
 
     async def _reread(self) -> None:
         """Read the record; not found by then, the handoff is gone and this handle stops

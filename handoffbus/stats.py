@@ -73,7 +73,7 @@ class Tally:
         self._pending: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.listeners: list[TallyListener] = []
         #: (handoff id, script) of transitions sent whose reply was lost, oldest first
-        self._in_doubt: dict[tuple[str, str], None] = {}
+        self._in_doubt: dict[tuple[str, str], bool] = {}
 
     def transition(self, agent: str, status: HandoffStatus, created_ms: int = 0, at_ms: int = 0) -> None:
         """``agent`` made a transition; with the request's creation time, its latency too."""
@@ -100,16 +100,16 @@ class Tally:
 
     def doubt(self, handoff_id: str, script: str) -> None:
         """A transition whose reply was lost: it may have run, uncounted. Its repeat, answered
-        "made already" (code 0), is counted then (see ``resolve``). Bounded: the oldest go."""
-        self._in_doubt[(handoff_id, script)] = None
+        "made already" (code 0), is counted then (see ``made``). Bounded: the oldest go."""
+        self._in_doubt[(handoff_id, script)] = True
         if len(self._in_doubt) > MAX_IN_DOUBT:
             del self._in_doubt[next(iter(self._in_doubt))]
 
-    def resolve(self, handoff_id: str, script: str) -> bool:
-        """Whether that transition was in doubt (it is not any more)."""
-        if not self._in_doubt:  # the usual case: nothing lost
-            return False
-        return self._in_doubt.pop((handoff_id, script), False) is None
+    def made(self, handoff_id: str, script: str, code: int) -> bool:
+        """Whether a call answered ``code`` is to be counted: it made its change (1), or it
+        repeats one whose reply was lost and finds it made (0). Either way it is no longer in doubt."""
+        doubted = bool(self._in_doubt) and self._in_doubt.pop((handoff_id, script), False)  # usually none
+        return code == 1 or (doubted and code == 0)
 
 
 class AgentCounts(msgspec.Struct, frozen=True, kw_only=True):

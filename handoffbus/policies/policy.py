@@ -124,14 +124,14 @@ class HandoffPolicy:
 
     async def _shape(self, bus: HandoffBus, request: HandoffRequest, context: HandoffContext,
                      resolution: HandoffResolution | None) -> HandoffContext:
-        if resolution is not None:  # a scenario's handoff: its control flags stay behind
-            context = msgspec.structs.replace(
-                context, metadata=sanitize_shared_context(context.metadata),
-                tool_state=sanitize_shared_context(context.tool_state))
         if resolution is not None and not resolution.share_context:
             last_user = [e for e in context.conversation_history if e.role == "user"][-1:]
             context = HandoffContext(conversation_history=last_user,
                                      metadata={"handoff_reason": request.reason})
+        elif resolution is not None:  # a scenario's handoff: its control flags stay behind
+            context = msgspec.structs.replace(
+                context, metadata=sanitize_shared_context(context.metadata),
+                tool_state=sanitize_shared_context(context.tool_state))
         context = await apply_context_policy(context, self.context, self.input_filters)
         if self.offload_over is not None:
             context = await offload(bus, request.from_agent, context, threshold=self.offload_over)

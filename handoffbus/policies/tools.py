@@ -46,8 +46,6 @@ class TransferTarget(msgspec.Struct, frozen=True, kw_only=True):
     is_enabled: Any = True  # a bool, or a callable (sync or async) of the run context
 
     def __post_init__(self) -> None:
-        if not isinstance(self.agent, str) or not self.agent:
-            raise InvalidRequest(f"TransferTarget.agent must be an agent id, not {self.agent!r}")
         check_name(self.agent, "TransferTarget.agent")  # the id a tool call hands off to, as it is
         if not isinstance(self.description, str):
             raise InvalidRequest(f"TransferTarget.description must be a str, not {type(self.description).__name__}")
@@ -114,10 +112,9 @@ async def transfer_tools(targets: Sequence[TransferTarget], run_context: Any = N
 
 
 async def _enabled(flag: Any, run_context: Any) -> bool:
+    """A target's ``is_enabled`` now: a bool, or what its callable (checked when made) says."""
     if isinstance(flag, bool):
         return flag
-    if not callable(flag):
-        raise InvalidHook(f"is_enabled must be a bool or a callable, not {type(flag).__name__}")
     value = flag(run_context)
     if inspect.isawaitable(value):
         value = await value
