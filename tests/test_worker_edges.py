@@ -22,7 +22,7 @@ from handoffbus import (
 from handoffbus.keys import GROUP
 from handoffbus.policies.blobs import offload, restore
 from handoffbus.routing import set_id
-from handoffbus.workers import Accept, Agent, ReceivedHandoff, runner
+from handoffbus.workers import Accept, Agent, ReceivedHandoff, steps
 from handoffbus.workers.inbox import Delivery, Inbox
 from handoffbus.workers.lanes import Lanes
 from handoffbus.workers.routes import RouteFeed
@@ -110,7 +110,7 @@ async def test_delivery_counts_are_read_entry_by_entry(real_bus: HandoffBus) -> 
     for _ in range(3):  # the last one delivered three more times
         await real_bus.redis.xclaim(keys.inbox, GROUP, "w1", 0, [last.entry_id])
     worker = Worker(real_bus, Echo(), consumer="w1")
-    counts = await worker._delivery_counts([first, last])
+    counts = await worker._keeper.delivery_counts([first, last])
     assert counts == {first.entry_id: 1, last.entry_id: 4}
 
 
@@ -193,7 +193,7 @@ async def test_a_stop_in_the_middle_of_a_takeover_or_dead_lettering_leaves_the_h
     limit = 1 if step == "dead-letter" else 5
     worker = Worker(real_bus, Echo(), consumer="w2", reclaim_idle=0.05, max_deliveries=limit)
     if step == "take over":
-        worker._take_over = on_the_wire  # type: ignore[method-assign]
+        worker._steps.take_over = on_the_wire  # type: ignore[method-assign]
     else:
         worker._inbox.dead_letter = on_the_wire  # type: ignore[method-assign]
     async with anyio.create_task_group() as tg:
@@ -485,7 +485,7 @@ async def test_a_heartbeat_while_redis_is_out_of_reach_does_not_fail_the_work(re
 
     handle = await real_bus.client("a").request_handoff(req("a", Beats.agent_id))
     worker = Worker(real_bus, Beats())
-    touch = worker._touch
+    touch = worker._keeper.touch
     failed: list[list[str]] = []
 
     async def unreachable(hids: list[str]) -> None:
@@ -494,7 +494,7 @@ async def test_a_heartbeat_while_redis_is_out_of_reach_does_not_fail_the_work(re
             raise RedisConnectionError("Connection reset by peer")
         await touch(hids)
 
-    worker._touch = unreachable  # type: ignore[method-assign]
+    worker._keeper.touch = unreachable  # type: ignore[method-assign]
     async with anyio.create_task_group() as tg:
         await tg.start(worker.run)
         with anyio.fail_after(10):
@@ -521,7 +521,7 @@ async def test_a_context_whose_blobs_could_not_be_read_for_a_moment_is_restored(
             raise RedisConnectionError("Connection reset by peer")
         return await restore(bus, context, handoff_id)
 
-    monkeypatch.setattr(runner, "restore", flaky)
+    monkeypatch.setattr(steps, "restore", flaky)
     reads = ReadsReport()
     [outcome], _ = await serve_until_done(real_bus, reads, [handle])
     assert failed and outcome.status is HandoffStatus.COMPLETED and outcome.result == "read"
@@ -561,7 +561,7 @@ async def test_what_a_hook_returns_that_cannot_be_sent_ends_the_handoff(real_bus
 def _complete_raises(worker: Worker, error: Exception, times: int | None = None) -> list[str]:
     """Make the worker's ``complete`` calls raise ``error`` (the first ``times``, or all);
     returns the list of those that did."""
-    transition = worker._client._transition
+    transition = worker._steps._client._transition
     raised: list[str] = []
 
     async def complete(name: str, *args: Any, **kwargs: Any) -> Any:
@@ -570,5 +570,5 @@ def _complete_raises(worker: Worker, error: Exception, times: int | None = None)
             raise error
         return await transition(name, *args, **kwargs)
 
-    worker._client._transition = complete  # type: ignore[method-assign]
+    worker._steps._client._transition = complete  # type: ignore[method-assign]
     return raised

@@ -18,7 +18,8 @@ from ..errors import HandoffbusError, InvalidName, InvalidRequest
 from ..logs import FORMAT
 from ..names import check_name, check_names
 from ..workers import Agent, Worker
-from ..workers.runner import MIN_RECLAIM_IDLE, serve_until_signalled
+from ..workers.runner import MIN_RECLAIM_IDLE
+from ..workers.signals import serve_until_signalled
 from .common import (
     EXIT_FAILED,
     EXIT_OK,

@@ -8,7 +8,7 @@ from .agent import Reject as Reject
 from .agent import RetryPolicy as RetryPolicy
 from .agent import inline as inline
 from .runner import Worker as Worker
-from .runner import serve_until_signalled as serve_until_signalled
+from .signals import serve_until_signalled as serve_until_signalled
 
 __all__ = [
     "Accept", "Agent", "AgentState", "ReceivedHandoff", "Reject", "RetryPolicy", "Worker", "inline",

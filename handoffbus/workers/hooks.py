@@ -1,0 +1,56 @@
+"""Calling an agent's hooks: async ones awaited, plain ones in a thread (unless inline), and
+what a hook raised described for the handoff's record."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from ..errors import HandoffbusError
+from .agent import is_inline
+
+__all__ = ["HookCancelled", "call_hook", "describe"]
+
+
+def describe(exc: BaseException) -> str:
+    """``"<type>: <message>"`` for the record, even when the exception's own ``__str__``
+    raises (a hook's custom exception): the handoff's outcome must still be sent."""
+    name = type(exc).__name__
+    for show in (str, repr):
+        try:
+            return f"{name}: {show(exc)}"
+        except Exception:  # e.g. a __str__ reading an attribute its __init__ never set
+            continue
+    return name
+
+
+
+class HookCancelled(HandoffbusError):
+    """A hook raised CancelledError while nothing cancelled its handler (it awaited something
+    its owner cancelled): a failure of the hook, not a stop of the worker."""
+
+
+async def call_hook(hook: Callable[..., Any], arg: Any) -> Any:
+    """Await an async hook; run a plain one in a worker thread so it cannot block the loop,
+    unless it is marked inline."""
+    try:
+        if inspect.iscoroutinefunction(hook):
+            return await hook(arg)
+        if is_inline(hook):
+            result = hook(arg)
+        else:
+            # a stop does not wait for the thread (it may never return): the handler ends, and
+            # its handoff is given back or left pending as for any hook
+            result = await anyio.to_thread.run_sync(hook, arg, abandon_on_cancel=True)
+        return await result if inspect.isawaitable(result) else result  # e.g. a plain def returning a coroutine
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # the handler itself is cancelled: a stop
+        # not an Exception: raised on, it would end the lane and, through the task group, the worker
+        raise HookCancelled(f"{getattr(hook, '__name__', 'hook')} raised CancelledError: {exc}") from exc
+
