@@ -12,11 +12,10 @@ at once.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import uuid
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
@@ -52,7 +51,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Worker"]
 
-log = logging.getLogger("handoffbus")
 #: seconds a registry beat may take once sent before stopping stops waiting for it
 REGISTER_WAIT = 5.0
 #: seconds an idle worker waits before settling finished handoffs by themselves
@@ -61,7 +59,6 @@ SETTLE_DELAY = 0.02
 SETTLE_WAIT = 10.0
 #: the shortest reclaim time a worker takes (seconds)
 MIN_RECLAIM_IDLE = 0.01
-T = TypeVar("T")
 
 
 def default_consumer_name() -> str:
