@@ -45,6 +45,7 @@ from .models import HandoffResponse as HandoffResponse
 from .models import HandoffStatus as HandoffStatus
 from .models import HistoryEntry as HistoryEntry
 from .models import PendingHandoff as PendingHandoff
+from .models import Replay as Replay
 from .models import RouteStep as RouteStep
 from .models import WorkerInfo as WorkerInfo
 from .signing import Keyring as Keyring
@@ -98,6 +99,7 @@ __all__ = [
     "QueueFull",
     "ReceivedHandoff",
     "Reject",
+    "Replay",
     "RequestConflict",
     "RetryPolicy",
     "RouteRefused",

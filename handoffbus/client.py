@@ -29,6 +29,7 @@ from .models import (
     HandoffResponse,
     HandoffStatus,
     PendingHandoff,
+    Replay,
 )
 from .names import check_name, check_names, join_handoff_id, split_handoff_id
 from .policies.context import without_history
@@ -533,14 +534,14 @@ class HandoffClient:
             for eid, f in entries
         ]
 
-    async def replay_dead_letter(self, agent_id: str, entry_id: str) -> bool:
+    async def replay_dead_letter(self, agent_id: str, entry_id: str) -> Replay:
         """Queue a dead-lettered handoff for ``agent_id`` again and drop the dead letter.
 
-        Returns False (dropping the dead letter) when the handoff has ended or is gone meanwhile;
-        a worker carries on from the recorded state. An ACCEPTED one is not queued (a worker
+        A worker carries on from the recorded state. An ACCEPTED one is not queued (a worker
         takes no accepted work from the queue): its new inbox entry waits, as a restored one
         does, for a live worker of the agent to take it over once idle (``reclaim_idle``),
-        attempt + 1.
+        attempt + 1. The dead letter is dropped without queueing anything (the Replay is
+        false) when the handoff has ended or is gone meanwhile, or the entry names no handoff.
         """
         agent, bus = check_name(agent_id, "agent id"), self._bus
         if (not isinstance(entry_id, str) or not re.fullmatch(r"\d{1,20}-\d{1,20}", entry_id)
@@ -550,15 +551,18 @@ class HandoffClient:
         found = await bus.redis.xrange(key, entry_id, entry_id)
         if not found:
             raise errors.HandoffNotFound(f"dead letter {entry_id} of {agent}")
-        handoff_id = found[0][1][b"h"].decode()
-        record = await self.get_handoff_status(handoff_id)
+        handoff_id = found[0][1][b"h"].decode(errors="backslashreplace")
+        try:
+            record = await self.get_handoff_status(handoff_id)
+        except errors.InvalidName:  # a queue member that named no handoff: nothing to queue
+            record = None
         live = record is not None and not record.terminal
         if live and record is not None and record.status is HandoffStatus.ACCEPTED:
             await bus.script("admit", bus.keys.target(agent).as_list(), [GROUP, RESTORED, handoff_id])
         elif live and record is not None:
             await bus.enqueue(agent, handoff_id, record.request.priority)
         await bus.redis.xdel(key, entry_id)  # after re-queueing: a crash between repeats, never loses
-        return live
+        return Replay(handoff_id=handoff_id, queued=live, status=None if record is None else record.status)
 
     async def clear_all_handoffs(self, *, confirm: str) -> int:
         """Delete every key of this bus's prefix (and only those). ``confirm`` must equal the prefix."""

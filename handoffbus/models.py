@@ -145,6 +145,20 @@ class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
     at_ms: int
 
 
+class Replay(msgspec.Struct, frozen=True, kw_only=True):
+    """What replaying a dead letter did. True (``queued``): its handoff was queued again, or
+    for an ACCEPTED one, issued for a live worker to take over. False: the dead letter was
+    dropped, its handoff having ended (``status``), its record gone (``status`` None), or
+    it naming no handoff (a hand-written queue member; ``handoff_id`` shown escaped)."""
+
+    handoff_id: str
+    queued: bool
+    status: HandoffStatus | None = None
+
+    def __bool__(self) -> bool:
+        return self.queued
+
+
 class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     """One live worker process of an agent, as it last reported itself."""
 

@@ -13,10 +13,11 @@ that starve are the highest numbers, which are always looked at; only when more 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
+from .errors import InvalidName
 from .names import split_handoff_id
 from .plainreads import observe_replies
 from .records import text
@@ -104,12 +105,19 @@ async def observe(bus: HandoffBus, agent: str) -> AgentView:
 
 
 async def _created_times(bus: HandoffBus, handoff_ids: list[str]) -> list[int]:
-    """The records' creation times (0 where a record is gone); one pipeline, split by node on a cluster."""
-    if not handoff_ids:
-        return []
+    """The records' creation times (0 where a record is gone, or a queue member names no
+    handoff: written by hand, a worker dead-letters it); one pipeline, split by node on a cluster."""
+    records: list[str | None] = []
+    for hid in handoff_ids:
+        try:
+            records.append(bus.keys.record(*split_handoff_id(hid)).record)
+        except InvalidName:
+            records.append(None)
+    named = [key for key in records if key is not None]
+    if not named:
+        return [0] * len(handoff_ids)
     async with bus.redis.pipeline(transaction=False) as pipe:
-        for hid in handoff_ids:
-            requester, request_id = split_handoff_id(hid)
-            pipe.hget(bus.keys.record(requester, request_id).record, "created")
-        values: list[Any] = await pipe.execute()
-    return [int(v) if v else 0 for v in values]
+        for key in named:
+            pipe.hget(key, "created")
+        values = iter(await pipe.execute())
+    return [0 if key is None else int(next(values) or 0) for key in records]

@@ -105,6 +105,9 @@ def test_request_then_status_and_pending(cli: Cli, tmp_path: Path) -> None:
 
     record = cli.json("status", "triage-1/r-1")["record"]
     assert record["request"]["metadata"] == {"ticket": "T-9"} and record["request"]["priority"] == 3
+    made = cli.json("request", "other-1", "--from", "triage-1", "--request-id", "r-2", "--timeout", "60")
+    deadline = cli.json("status", "triage-1/r-2")["record"]["deadline_ms"]
+    assert made["deadline_ms"] == deadline and made["status"] == "PENDING"  # the server's epoch ms
 
     pending = cli("pending", "billing-1")
     assert pending.exit_code == 0 and "triage-1/r-1" in pending.stdout and "1 queued" in pending.stdout
@@ -197,6 +200,11 @@ def test_pending_lists_what_it_can_around_an_undecodable_record(cli: Cli) -> Non
     assert [p["handoff_id"] for p in listed["queued"]] == ["req/p-3"]
     assert [u["handoff_id"] for u in listed["unreadable"]] == ["req/p-2", "no-handoff-id", "\\xff/x"]
     assert [e["handoff_id"] for e in listed["in_flight"]] == ["req/p-1"]
+    # the monitors read around the members that name no handoff (a worker dead-letters them)
+    [row] = [r for r in cli.json("top", "--iterations", "1")["agents"] if r["agent"] == "q-1"]
+    assert row["queued"] == 4 and row["in_flight"] == 1 and row["oldest_waiting_s"] > 0
+    probe = cli("check", "--agent", "q-1", "--json")
+    assert probe.exit_code == 1 and json.loads(probe.stdout)["problems"] == ["q-1: no live worker"]
 
 
 def test_dead_letter_counts_and_entry_ids_out_of_range_are_usage_errors(cli: Cli) -> None:
@@ -244,10 +252,24 @@ def test_dead_letters_listed_and_replayed(cli: Cli) -> None:
     text = cli("dlq", "list", "sick-1")
     assert "1 dead letters" in text.stdout and letter["entry_id"] in text.stdout
     replayed = cli("dlq", "replay", "sick-1", letter["entry_id"])
-    assert replayed.exit_code == 0 and f"replayed {letter['entry_id']} to sick-1" in replayed.stdout
+    assert replayed.exit_code == 0 and f"replayed {letter['entry_id']} (req/d-1) to sick-1" in replayed.stdout
     assert cli.json("dlq", "list", "sick-1") == []
     assert [p["handoff_id"] for p in cli.json("pending", "sick-1")["queued"]] == ["req/d-1"]
     assert cli("dlq", "replay", "sick-1", letter["entry_id"]).exit_code == 1  # gone now
+
+    async def dead_again() -> None:  # the replayed handoff kept failing; then it was cancelled
+        async with cli.bus() as bus:
+            inbox = Inbox(bus, "sick-1", "worker-2")
+            _, [taken] = await inbox.take(1)
+            await inbox.dead_letter(taken, "delivered 6 times; its handling kept stopping workers", 6)
+            await bus.client("req").cancel_handoff("req/d-1")
+
+    in_loop(dead_again)
+    [again] = cli.json("dlq", "list", "sick-1")
+    dropped = cli("dlq", "replay", "sick-1", again["entry_id"])
+    assert dropped.exit_code == 1 and f"dropped dead letter {again['entry_id']} of sick-1: req/d-1 is CANCELLED" \
+        in dropped.stdout
+    assert cli.json("dlq", "list", "sick-1") == []
 
 
 # ---------------------------------------------------------------------- agents, top, check

@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from handoffbus import HandoffBus, HandoffNotFound, HandoffStatus
+from handoffbus import HandoffBus, HandoffNotFound, HandoffStatus, Replay
 from handoffbus.workers import Worker
 from handoffbus.workers.inbox import Delivery, Inbox
 
@@ -46,7 +46,8 @@ async def test_an_entry_delivered_too_often_is_dead_lettered_then_replayed(bus: 
         assert dead.handoff_id == handle.handoff_id and dead.deliveries == 8
         record = await client.get_handoff_status(handle.handoff_id)
         assert record is not None and record.status is HandoffStatus.PENDING  # parked, not lost
-        assert await client.replay_dead_letter("echo-1", dead.entry_id) is True
+        assert await client.replay_dead_letter("echo-1", dead.entry_id) == Replay(
+            handoff_id=handle.handoff_id, queued=True, status=HandoffStatus.PENDING)
         with anyio.fail_after(10):
             outcome = await handle.outcome()
         worker.drain()
@@ -67,7 +68,7 @@ async def test_an_accepted_handoff_dead_lettered_then_replayed_is_taken_over(bus
     await bus.client("echo-1")._transition("accept", handle.handoff_id, {"lease": "ghost"}, settle=False)
     await ghost.dead_letter(taken, "delivered 8 times; its handling kept stopping workers", 8)
     [dead] = await client.get_dead_letters("echo-1")
-    assert await client.replay_dead_letter("echo-1", dead.entry_id) is True
+    assert await client.replay_dead_letter("echo-1", dead.entry_id)  # true: issued again
     assert await bus.redis.zcard(bus.keys.target("echo-1").queue) == 0  # not queued
     echo = Echo()
     async with anyio.create_task_group() as tg:
@@ -79,6 +80,28 @@ async def test_an_accepted_handoff_dead_lettered_then_replayed_is_taken_over(bus
     assert outcome.status is HandoffStatus.COMPLETED and echo.order == [handle.handoff_id]
     record = await client.get_handoff_status(handle.handoff_id)
     assert record is not None and record.attempt == 2  # taken over
+
+
+async def test_a_dead_letter_whose_handoff_ended_or_that_names_none_is_dropped_and_says_why(
+    bus: HandoffBus,
+) -> None:
+    client = bus.client("req")
+    handle = await client.request_handoff(req("req", "echo-1", reason="crashy, then cancelled"))
+    inbox = Inbox(bus, "echo-1", "ghost")
+    _, [taken] = await inbox.take(1)
+    await inbox.dead_letter(taken, "delivered 6 times; its handling kept stopping workers", 6)
+    await client.cancel_handoff(handle.handoff_id)
+    # hand-written queue members a worker dead-lettered as they were: they name no handoff
+    for member in ("garbage", "", "\\xff/x"):
+        await inbox.dead_letter(Delivery(handoff_id=member, entry_id="1-1"), "names no handoff", 1)
+    replays = [await client.replay_dead_letter("echo-1", d.entry_id) for d in await client.get_dead_letters("echo-1")]
+    assert replays == [
+        Replay(handoff_id=handle.handoff_id, queued=False, status=HandoffStatus.CANCELLED),
+        Replay(handoff_id="garbage", queued=False), Replay(handoff_id="", queued=False),
+        Replay(handoff_id="\\xff/x", queued=False),
+    ]
+    assert not any(replays) and await client.get_dead_letters("echo-1") == []
+    assert await bus.redis.zcard(bus.keys.target("echo-1").queue) == 0  # nothing queued
 
 
 async def _burst_latencies(bus: HandoffBus, n: int, tag: str) -> list[float]:

@@ -115,7 +115,7 @@ async def _request(opts: Options, handoff: HandoffRequest, wait: bool, fail_fast
         target = handoff.to_agent or f"capabilities {','.join(handoff.capabilities_required)}"
         if opts.json:
             emit_json({"handoff_id": handle.handoff_id, "status": record.status if record else None,
-                       "to": target, "deadline_ms": handle.deadline_at})
+                       "to": target, "deadline_ms": record.deadline_ms if record else None})
         else:
             console.print(f"requested {handle.handoff_id} -> {target} "
                           f"({record.status.value if record else '?'}, priority {handoff.priority})")
@@ -318,15 +318,21 @@ def dlq_replay(
     entry: Annotated[str, typer.Argument(help="the dead letter's entry id (see 'dlq list')")],
     redis_url: RedisUrl = None, prefix: Prefix = None, as_json: Json = False,
 ) -> None:
-    """Queue a dead letter's handoff again (exit 1 if there is no such entry)."""
+    """Queue a dead letter's handoff again (exit 1 if there is no such entry, or it was dropped
+    instead: its handoff has ended or is gone)."""
     run(_dlq_replay, options(ctx, redis_url, prefix, as_json), agent, entry)
 
 
 async def _dlq_replay(opts: Options, agent: str, entry: str) -> int:
     async with open_bus(opts, "dlq replay") as bus:
-        replayed = await bus.client("cli").replay_dead_letter(agent, entry)
+        replay = await bus.client("cli").replay_dead_letter(agent, entry)
+        status = None if replay.status is None else replay.status.value
         if opts.json:
-            emit_json({"agent": agent, "entry_id": entry, "replayed": replayed})
+            emit_json({"agent": agent, "entry_id": entry, "handoff_id": replay.handoff_id, "replayed": replay.queued,
+                       "status": status})
+        elif replay:
+            console.print(f"replayed {entry} ({replay.handoff_id}) to {agent}")
         else:
-            console.print(f"replayed {entry} to {agent}" if replayed else f"no dead letter {entry} for {agent}")
-        return EXIT_OK if replayed else EXIT_FAILED
+            console.print(f"dropped dead letter {entry} of {agent}: {replay.handoff_id} "
+                          + (f"is {status}" if status else "has no record (it names no handoff, or it expired)"))
+        return EXIT_OK if replay else EXIT_FAILED
