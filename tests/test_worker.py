@@ -185,6 +185,24 @@ async def test_drain_hands_back_what_is_still_being_decided(bus: HandoffBus) -> 
         assert await response_statuses(bus, "req", handle.handoff_id) == ["ACCEPTED", "COMPLETED"]
 
 
+async def test_drain_does_not_hand_back_what_was_cancelled_while_being_decided(bus: HandoffBus) -> None:
+    client = bus.client("req")
+    kept, cancelled = [await client.request_handoff(req("req", "gated-1")) for _ in range(2)]
+    stuck = Gated(hold_in_acceptance=True)
+    stuck.want = 2
+    worker = Worker(bus, stuck, concurrency=2, grace=0.05)
+    async with anyio.create_task_group() as tg:
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            await stuck.reached.wait()
+        await cancelled.cancel()  # settles its queue and inbox entries
+        worker.drain()
+    keys = bus.keys.target("gated-1")
+    assert await bus.redis.zrange(keys.queue, 0, -1) == [kept.handoff_id.encode()]  # the other only
+    assert await bus.redis.hlen(keys.inflight) == 0
+    assert (await bus.redis.xpending(keys.inbox, "workers"))["pending"] == 0
+
+
 def test_an_agent_must_implement_its_work() -> None:
     class Lazy(Agent):
         agent_id = "lazy"

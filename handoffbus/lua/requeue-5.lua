@@ -9,8 +9,10 @@
   ARGV[4] the consumer giving it back
 
   Returns 1 (queued again, behind the handoffs of its priority already queued), or 0 (left
-  alone: its entry is pending under another consumer, which claimed it while this one was
-  slow and may have accepted it by now; a restored entry not yet adopted counts as this one's).
+  alone: settled meanwhile, as a cancel or an expiry settles it, so the in-flight index no
+  longer holds it; or its entry is pending under another consumer, which claimed it while
+  this one was slow and may have accepted it by now; a restored entry not yet adopted counts
+  as this one's).
   Events: one entry on KEYS[5] (MAXLEN 1) so blocked workers wake.
 ]]
 -- @include holder
@@ -18,7 +20,7 @@
 
 local hid = ARGV[2]
 local entry = redis.call('HGET', KEYS[3], hid)
-if entry and held_elsewhere(KEYS[2], ARGV[1], entry, ARGV[4]) then return 0 end
+if not entry or held_elsewhere(KEYS[2], ARGV[1], entry, ARGV[4]) then return 0 end
 settle(ARGV[1], {hid})
 -- priority * 2^42 + seq, as enqueue scores it
 redis.call('ZADD', KEYS[1], tonumber(ARGV[3]) * 4398046511104 + redis.call('INCR', KEYS[4]), hid)

@@ -219,8 +219,8 @@ class Worker:
             hid, priority = self._give_back[0]
             try:
                 if not await self._inbox.requeue(hid, priority):
-                    self._log.info("%s: %s was claimed by another worker meanwhile; left to it", self.consumer, hid,
-                                   extra={"handoff_id": hid})
+                    self._log.info("%s: %s was settled (cancelled or expired) or claimed by another worker "
+                                   "meanwhile; left alone", self.consumer, hid, extra={"handoff_id": hid})
             except (RedisError, OSError, HandoffbusError) as exc:  # the bus closing too
                 self._log.warning("%s: could not hand %s back (%s); it stays in this worker's pending "
                                   "entries, to be reclaimed", self.consumer, hid, exc, extra={"handoff_id": hid})
