@@ -39,13 +39,13 @@ from .errors import TooManyPending as TooManyPending
 from .handle import HandoffHandle as HandoffHandle
 from .models import AgentInfo as AgentInfo
 from .models import DeadLetter as DeadLetter
+from .models import DeadLetterAction as DeadLetterAction
 from .models import HandoffRecord as HandoffRecord
 from .models import HandoffRequest as HandoffRequest
 from .models import HandoffResponse as HandoffResponse
 from .models import HandoffStatus as HandoffStatus
 from .models import HistoryEntry as HistoryEntry
 from .models import PendingHandoff as PendingHandoff
-from .models import Replay as Replay
 from .models import RouteStep as RouteStep
 from .models import WorkerInfo as WorkerInfo
 from .signing import Keyring as Keyring
@@ -70,6 +70,7 @@ __all__ = [
     "CallRefused",
     "ConversationEntry",
     "DeadLetter",
+    "DeadLetterAction",
     "DecodeError",
     "EmbeddedCluster",
     "EmbeddedServer",
@@ -99,7 +100,6 @@ __all__ = [
     "QueueFull",
     "ReceivedHandoff",
     "Reject",
-    "Replay",
     "RequestConflict",
     "RetryPolicy",
     "RouteRefused",

@@ -6,7 +6,6 @@ import hashlib
 import logging
 import math
 import os
-import re
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -14,22 +13,21 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 
-from . import errors, tracing
+from . import deadletters, errors, tracing
 from .backoff import LOST_CONNECTION, Backoff, lost_connection
 from .config import MAX_PRIORITY
 from .errors import QUEUE_FULL, EncodeError, InvalidRequest, NotPermitted, raise_for_code
 from .handle import HandoffHandle
-from .keys import GROUP, RESTORED
 from .models import (
     TERMINAL,
     AgentInfo,
     DeadLetter,
+    DeadLetterAction,
     HandoffRecord,
     HandoffRequest,
     HandoffResponse,
     HandoffStatus,
     PendingHandoff,
-    Replay,
 )
 from .names import check_name, check_names, join_handoff_id, split_handoff_id
 from .policies.context import without_history
@@ -86,8 +84,6 @@ log = logging.getLogger("handoffbus")
 
 #: the shortest acceptance timeout, in seconds (as config.check_seconds: Redis takes milliseconds)
 MIN_TIMEOUT = 0.001
-#: the largest part of a stream entry id ("<ms>-<seq>", each an unsigned 64-bit number)
-MAX_STREAM_ID_PART = 2**64 - 1
 
 #: how often the calls that follow a new record are sent again when their replies were lost
 FOLLOW_TRIES = 4
@@ -519,50 +515,25 @@ class HandoffClient:
     async def get_dead_letters(self, agent_id: str | None = None, count: int = 100) -> list[DeadLetter]:
         """The dead letters of ``agent_id`` (default, None: this agent), oldest first: at most
         ``count`` (an int of at least 1)."""
-        agent = check_name(self.agent_id if agent_id is None else agent_id, "agent id")
-        if type(count) is not int or count < 1:
-            raise InvalidRequest(f"count must be an int of at least 1, not {count!r}")
-        entries = await self._bus.redis.xrange(self._bus.keys.dead_letters(agent), count=count)
-        return [
-            DeadLetter(
-                # a queue member that was not text was dead-lettered as it was: shown escaped
-                entry_id=eid.decode(), handoff_id=f[b"h"].decode(errors="backslashreplace"),
-                reason=f[b"reason"].decode(errors="backslashreplace"), deliveries=int(f[b"deliveries"]),
-                consumer=f[b"consumer"].decode(errors="backslashreplace"),
-                at_ms=int(eid.split(b"-")[0]),
-            )
-            for eid, f in entries
-        ]
+        return await deadletters.dead_letters(self._bus, self.agent_id if agent_id is None else agent_id, count)
 
-    async def replay_dead_letter(self, agent_id: str, entry_id: str) -> Replay:
+    async def replay_dead_letter(self, agent_id: str, entry_id: str) -> DeadLetterAction:
         """Queue a dead-lettered handoff for ``agent_id`` again and drop the dead letter.
 
         A worker carries on from the recorded state. An ACCEPTED one is not queued (a worker
         takes no accepted work from the queue): its new inbox entry waits, as a restored one
         does, for a live worker of the agent to take it over once idle (``reclaim_idle``),
-        attempt + 1. The dead letter is dropped without queueing anything (the Replay is
-        false) when the handoff has ended or is gone meanwhile, or the entry names no handoff.
+        attempt + 1. The dead letter is dropped alone (the action is false) when the handoff
+        has ended or is gone meanwhile, or the entry names no handoff.
         """
-        agent, bus = check_name(agent_id, "agent id"), self._bus
-        if (not isinstance(entry_id, str) or not re.fullmatch(r"\d{1,20}-\d{1,20}", entry_id)
-                or any(int(part) > MAX_STREAM_ID_PART for part in entry_id.split("-"))):
-            raise InvalidRequest(f"not a stream entry id: {entry_id!r} (like 1700000000000-0)")
-        key = bus.keys.dead_letters(agent)
-        found = await bus.redis.xrange(key, entry_id, entry_id)
-        if not found:
-            raise errors.HandoffNotFound(f"dead letter {entry_id} of {agent}")
-        handoff_id = found[0][1][b"h"].decode(errors="backslashreplace")
-        try:
-            record = await self.get_handoff_status(handoff_id)
-        except errors.InvalidName:  # a queue member that named no handoff: nothing to queue
-            record = None
-        live = record is not None and not record.terminal
-        if live and record is not None and record.status is HandoffStatus.ACCEPTED:
-            await bus.script("admit", bus.keys.target(agent).as_list(), [GROUP, RESTORED, handoff_id])
-        elif live and record is not None:
-            await bus.enqueue(agent, handoff_id, record.request.priority)
-        await bus.redis.xdel(key, entry_id)  # after re-queueing: a crash between repeats, never loses
-        return Replay(handoff_id=handoff_id, queued=live, status=None if record is None else record.status)
+        return await deadletters.replay_dead_letter(self._bus, agent_id, entry_id)
+
+    async def fail_dead_letter(self, agent_id: str, entry_id: str, error: str) -> DeadLetterAction:
+        """End a dead-lettered ACCEPTED handoff as FAILED with ``error`` (its requester hears it)
+        and drop the dead letter: accepted work has no deadline, and its requester may not
+        cancel it. A PENDING one raises InvalidTransition (its requester may cancel it, and its
+        deadline expires it); one that ended, is gone or names no handoff is dropped alone."""
+        return await deadletters.fail_dead_letter(self._bus, agent_id, entry_id, error)
 
     async def clear_all_handoffs(self, *, confirm: str) -> int:
         """Delete every key of this bus's prefix (and only those). ``confirm`` must equal the prefix."""

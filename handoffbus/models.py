@@ -145,18 +145,20 @@ class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
     at_ms: int
 
 
-class Replay(msgspec.Struct, frozen=True, kw_only=True):
-    """What replaying a dead letter did. True (``queued``): its handoff was queued again, or
-    for an ACCEPTED one, issued for a live worker to take over. False: the dead letter was
-    dropped, its handoff having ended (``status``), its record gone (``status`` None), or
-    it naming no handoff (a hand-written queue member; ``handoff_id`` shown escaped)."""
+class DeadLetterAction(msgspec.Struct, frozen=True, kw_only=True):
+    """What replaying or failing a dead letter did, the dead letter being dropped either way.
+    True (``done``): its handoff was queued again (an ACCEPTED one: issued for a live worker
+    to take over), or failed. False: nothing else was done, its handoff having ended
+    (``status``), its record being gone (``status`` None), or it naming no handoff (a
+    hand-written queue member; ``handoff_id`` shown escaped)."""
 
     handoff_id: str
-    queued: bool
+    done: bool
+    #: the handoff's status as read (a replay), or as the fail left it (FAILED)
     status: HandoffStatus | None = None
 
     def __bool__(self) -> bool:
-        return self.queued
+        return self.done
 
 
 class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -272,6 +272,29 @@ def test_dead_letters_listed_and_replayed(cli: Cli) -> None:
     assert cli.json("dlq", "list", "sick-1") == []
 
 
+def test_a_dead_letters_accepted_handoff_failed_from_the_cli(cli: Cli) -> None:
+    async def poison() -> None:
+        async with cli.bus() as bus:
+            for name in ("d-1", "d-2"):
+                await bus.client("req").request_handoff(req("req", "sick-2", request_id=name))
+            inbox = Inbox(bus, "sick-2", "worker-1")
+            _, taken = await inbox.take(2)
+            await bus.client("sick-2")._transition("accept", "req/d-1", {"lease": "worker-1"}, settle=False)
+            for delivery in taken:
+                await inbox.dead_letter(delivery, "delivered 6 times; its handling kept stopping workers", 6)
+
+    in_loop(poison)
+    accepted, pending = cli.json("dlq", "list", "sick-2")
+    refused = cli("dlq", "fail", "sick-2", pending["entry_id"])
+    assert refused.exit_code == 1 and "cannot fail handoff 'req/d-2': it is PENDING" in refused.stdout
+    failed = cli.json("dlq", "fail", "sick-2", accepted["entry_id"], "--error", "operator gave up")
+    assert failed == {"agent": "sick-2", "entry_id": accepted["entry_id"], "handoff_id": "req/d-1", "failed": True,
+                      "status": "FAILED"}
+    record = cli.json("status", "req/d-1")["record"]
+    assert record["status"] == "FAILED" and record["response"]["error"] == "operator gave up"
+    assert [d["entry_id"] for d in cli.json("dlq", "list", "sick-2")] == [pending["entry_id"]]
+
+
 # ---------------------------------------------------------------------- agents, top, check
 
 

@@ -43,8 +43,12 @@ async def test_dead_letter_counts_and_entry_ids_out_of_range_are_refused(real_bu
     for entry_id in ("99999999999999999999-0", "0-18446744073709551616", "18446744073709551616-0"):
         with pytest.raises(InvalidRequest, match="not a stream entry id"):
             await client.replay_dead_letter("w-1", entry_id)
+        with pytest.raises(InvalidRequest, match="not a stream entry id"):
+            await client.fail_dead_letter("w-1", entry_id, "given up")
     with pytest.raises(HandoffNotFound):  # the largest id there is: well formed, and not there
         await client.replay_dead_letter("w-1", "18446744073709551615-18446744073709551615")
+    with pytest.raises(InvalidRequest, match="error must be a str"):
+        await client.fail_dead_letter("w-1", "1-0", None)  # type: ignore[arg-type]
 
 
 async def test_an_undecodable_queued_record_is_left_out_and_the_rest_listed(

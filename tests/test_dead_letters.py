@@ -5,7 +5,16 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from handoffbus import HandoffBus, HandoffNotFound, HandoffStatus, Replay
+from handoffbus import (
+    DeadLetterAction,
+    HandoffBus,
+    HandoffNotFound,
+    HandoffStatus,
+    InvalidRequest,
+    InvalidTransition,
+    Keyring,
+    SigningKey,
+)
 from handoffbus.workers import Worker
 from handoffbus.workers.inbox import Delivery, Inbox
 
@@ -46,8 +55,8 @@ async def test_an_entry_delivered_too_often_is_dead_lettered_then_replayed(bus: 
         assert dead.handoff_id == handle.handoff_id and dead.deliveries == 8
         record = await client.get_handoff_status(handle.handoff_id)
         assert record is not None and record.status is HandoffStatus.PENDING  # parked, not lost
-        assert await client.replay_dead_letter("echo-1", dead.entry_id) == Replay(
-            handoff_id=handle.handoff_id, queued=True, status=HandoffStatus.PENDING)
+        assert await client.replay_dead_letter("echo-1", dead.entry_id) == DeadLetterAction(
+            handoff_id=handle.handoff_id, done=True, status=HandoffStatus.PENDING)
         with anyio.fail_after(10):
             outcome = await handle.outcome()
         worker.drain()
@@ -96,12 +105,50 @@ async def test_a_dead_letter_whose_handoff_ended_or_that_names_none_is_dropped_a
         await inbox.dead_letter(Delivery(handoff_id=member, entry_id="1-1"), "names no handoff", 1)
     replays = [await client.replay_dead_letter("echo-1", d.entry_id) for d in await client.get_dead_letters("echo-1")]
     assert replays == [
-        Replay(handoff_id=handle.handoff_id, queued=False, status=HandoffStatus.CANCELLED),
-        Replay(handoff_id="garbage", queued=False), Replay(handoff_id="", queued=False),
-        Replay(handoff_id="\\xff/x", queued=False),
+        DeadLetterAction(handoff_id=handle.handoff_id, done=False, status=HandoffStatus.CANCELLED),
+        DeadLetterAction(handoff_id="garbage", done=False), DeadLetterAction(handoff_id="", done=False),
+        DeadLetterAction(handoff_id="\\xff/x", done=False),
     ]
     assert not any(replays) and await client.get_dead_letters("echo-1") == []
     assert await bus.redis.zcard(bus.keys.target("echo-1").queue) == 0  # nothing queued
+
+
+async def test_a_dead_lettered_accepted_handoff_can_be_failed_so_its_requester_hears(bus: HandoffBus) -> None:
+    """Accepted work has no deadline and its requester may not cancel it: failing its dead
+    letter ends it, and the requester's await wakes with FAILED."""
+    client = bus.client("req")
+    accepted, pending = [await client.request_handoff(req("req", "echo-1", reason=r)) for r in ("a", "p")]
+    ghost = Inbox(bus, "echo-1", "ghost")
+    _, taken = await ghost.take(2)
+    await bus.client("echo-1")._transition("accept", accepted.handoff_id, {"lease": "ghost"}, settle=False)
+    for delivery in taken:
+        await ghost.dead_letter(delivery, "delivered 8 times; its handling kept stopping workers", 8)
+    first, second = await client.get_dead_letters("echo-1")
+    with pytest.raises(InvalidTransition, match="PENDING"):  # its requester's to cancel; it expires
+        await client.fail_dead_letter("echo-1", second.entry_id, "given up")
+    async with anyio.create_task_group() as tg:
+        heard: list[HandoffStatus] = []
+
+        async def await_outcome() -> None:
+            heard.append((await accepted.outcome()).status)
+
+        tg.start_soon(await_outcome)
+        action = await client.fail_dead_letter("echo-1", first.entry_id, "given up: it kept stopping workers")
+    assert action == DeadLetterAction(handoff_id=accepted.handoff_id, done=True, status=HandoffStatus.FAILED)
+    assert heard == [HandoffStatus.FAILED]
+    record = await client.get_handoff_status(accepted.handoff_id)
+    assert record is not None and record.response.error == "given up: it kept stopping workers"
+    assert [d.entry_id for d in await client.get_dead_letters("echo-1")] == [second.entry_id]  # kept
+    await pending.cancel()  # then it ended: its dead letter is dropped alone
+    assert await client.fail_dead_letter("echo-1", second.entry_id, "given up") == DeadLetterAction(
+        handoff_id=pending.handoff_id, done=False, status=HandoffStatus.CANCELLED)
+    assert await client.get_dead_letters("echo-1") == []
+
+
+async def test_a_dead_letter_is_not_failed_by_a_bus_that_cannot_sign_for_its_agent(bus: HandoffBus) -> None:
+    bus.keyring = Keyring([SigningKey(key_id="k-1", agent="req", secret=b"s" * 32)])  # verifies, signs as req only
+    with pytest.raises(InvalidRequest, match="no signing key of 'echo-1'"):
+        await bus.client("req").fail_dead_letter("echo-1", "1-0", "given up")
 
 
 async def _burst_latencies(bus: HandoffBus, n: int, tag: str) -> list[float]:

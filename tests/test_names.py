@@ -192,6 +192,7 @@ async def test_bad_agent_in_listings(client: HandoffClient, bad: str) -> None:
     await refused(lambda: client.get_pending_handoffs(bad))
     await refused(lambda: client.get_dead_letters(bad))
     await refused(lambda: client.replay_dead_letter(bad, "1-0"))
+    await refused(lambda: client.fail_dead_letter(bad, "1-0", "given up"))
     await reaches_redis(lambda: client.get_pending_handoffs("tgt-1"))
     await reaches_redis(lambda: client.get_dead_letters("tgt-1"))
 

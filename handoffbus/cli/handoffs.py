@@ -12,7 +12,7 @@ from redis.exceptions import ResponseError
 
 from ..a2a import utc_iso
 from ..context import deserialize_context, serialize_context
-from ..errors import DecodeError, PayloadTooLarge
+from ..errors import DecodeError, InvalidTransition, PayloadTooLarge
 from ..keys import GROUP
 from ..models import HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatus, PendingHandoff
 from ..names import split_handoff_id
@@ -320,19 +320,40 @@ def dlq_replay(
 ) -> None:
     """Queue a dead letter's handoff again (exit 1 if there is no such entry, or it was dropped
     instead: its handoff has ended or is gone)."""
-    run(_dlq_replay, options(ctx, redis_url, prefix, as_json), agent, entry)
+    run(_dlq_act, options(ctx, redis_url, prefix, as_json), agent, entry, None)
 
 
-async def _dlq_replay(opts: Options, agent: str, entry: str) -> int:
-    async with open_bus(opts, "dlq replay") as bus:
-        replay = await bus.client("cli").replay_dead_letter(agent, entry)
-        status = None if replay.status is None else replay.status.value
+@dlq.command("fail")
+def dlq_fail(
+    ctx: typer.Context,
+    agent: Annotated[str, typer.Argument(help="the agent")],
+    entry: Annotated[str, typer.Argument(help="the dead letter's entry id (see 'dlq list')")],
+    error: Annotated[str, typer.Option(help="the error its requester is told")] = "given up: dead-lettered",
+    redis_url: RedisUrl = None, prefix: Prefix = None, as_json: Json = False,
+) -> None:
+    """End a dead letter's ACCEPTED handoff as FAILED, so its requester hears the outcome (exit 1
+    if there is no such entry, it is PENDING, or it was dropped alone: its handoff had ended)."""
+    run(_dlq_act, options(ctx, redis_url, prefix, as_json), agent, entry, error)
+
+
+async def _dlq_act(opts: Options, agent: str, entry: str, error: str | None) -> int:
+    """Replay a dead letter (``error`` None) or fail its handoff with ``error``."""
+    async with open_bus(opts, "dlq fail" if error is not None else "dlq replay") as bus:
+        client = bus.client("cli")
+        try:
+            action = await (client.replay_dead_letter(agent, entry) if error is None
+                            else client.fail_dead_letter(agent, entry, error))
+        except InvalidTransition as exc:  # PENDING: not an operator's to fail
+            console.print(f"{exc}; replay it, or its requester cancels it (its deadline expires it)")
+            return EXIT_FAILED
+        status = None if action.status is None else action.status.value
         if opts.json:
-            emit_json({"agent": agent, "entry_id": entry, "handoff_id": replay.handoff_id, "replayed": replay.queued,
-                       "status": status})
-        elif replay:
-            console.print(f"replayed {entry} ({replay.handoff_id}) to {agent}")
+            emit_json({"agent": agent, "entry_id": entry, "handoff_id": action.handoff_id,
+                       "replayed" if error is None else "failed": action.done, "status": status})
+        elif action:
+            console.print(f"replayed {entry} ({action.handoff_id}) to {agent}" if error is None
+                          else f"failed {action.handoff_id} ({entry} of {agent})")
         else:
-            console.print(f"dropped dead letter {entry} of {agent}: {replay.handoff_id} "
+            console.print(f"dropped dead letter {entry} of {agent}: {action.handoff_id} "
                           + (f"is {status}" if status else "has no record (it names no handoff, or it expired)"))
-        return EXIT_OK if replay else EXIT_FAILED
+        return EXIT_OK if action else EXIT_FAILED
