@@ -25,7 +25,8 @@ from collections import Counter
 from typing import Any
 
 import anyio
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.cluster import PRIMARY
 from redis.exceptions import (
     AskError,
     MaxConnectionsError,
@@ -61,8 +62,6 @@ async def _disconnect(conn: Any) -> None:
 
 def is_cluster(redis: Any) -> bool:
     """Whether ``redis`` is redis-py's asyncio Redis Cluster client."""
-    from redis.asyncio.cluster import RedisCluster
-
     return isinstance(redis, RedisCluster)
 
 
@@ -248,8 +247,8 @@ class ClusterSender:
                     retry, kind = again, "MOVED"
                     await manager.move_slot(reply)
                 elif isinstance(reply, AskError):
-                    call.asked = await self._node_named(reply.host, reply.port)
-                    retry, kind = (again if call.asked is not None else None), "ASK"
+                    call.asked = self._node_named(reply.host, reply.port)
+                    retry, kind = again, "ASK"
                 elif isinstance(reply, TryAgainError):
                     retry, kind, call.asked = later, "TRYAGAIN", asked  # importing: ask that node again
                 elif no_script(reply):
@@ -300,12 +299,15 @@ class ClusterSender:
                 with anyio.move_on_after(CLOSE_WAIT, shield=True):
                     await _disconnect(conn)
 
-    async def _node_named(self, host: str, port: int) -> Any:
+    def _node_named(self, host: str, port: int) -> Any:
+        """The node an ASK names. One this client has not met is made from the reply, as
+        redis-py does for a MOVED: a new primary a scale-out reshards slots to serves none
+        yet, so no topology refresh (CLUSTER SLOTS) would list it."""
         manager = self._redis.nodes_manager
         node = manager.get_node(host=host, port=port)
-        if node is None:  # a node this client has not met yet: learn the topology again
-            await self._refresh_slots()
-            node = manager.get_node(host=host, port=port)
+        if node is None:
+            node = ClusterNode(host, port, PRIMARY, **manager.connection_kwargs)
+            manager.set_nodes(manager.nodes_cache, {node.name: node})
         return node
 
     async def _refresh_slots(self, failed: str | None = None) -> None:

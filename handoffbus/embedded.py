@@ -226,19 +226,36 @@ class EmbeddedCluster:
             raise ValueError("a cluster needs at least one primary")
         try:
             for _ in range(self.primaries):
-                # the bus port is chosen too: the default, port + 10000, may be taken or out of range
-                bus_port = _free_port()
-                node = EmbeddedServer(binary=self.binary, extra_args=(
-                    "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                    "--cluster-port", str(bus_port), "--cluster-node-timeout", "5000", *self.extra_args,
-                ))
-                node.start()
-                self.nodes.append(node)
-                self._bus_ports.append(bus_port)
+                self._start_node()
             self._form()
         except BaseException:
             self.stop()
             raise
+
+    def add_primary(self) -> EmbeddedServer:
+        """Start one more primary and join it to the running cluster, serving no slot yet: a
+        scale-out, whose slots are then resharded to it."""
+        node = self._start_node()
+        with _node_client(self.nodes[0]) as first, _node_client(node) as new:
+            _poll(f"node {node.port} to answer", functools.partial(_pings, new, node))
+            _cluster(first, "MEET", "127.0.0.1", node.port, self._bus_ports[-1])
+        for member in self.nodes:
+            with _node_client(member) as client:
+                _poll(f"node {member.port} to see the whole cluster",
+                      functools.partial(_cluster_ok, client, len(self.nodes)))
+        return node
+
+    def _start_node(self) -> EmbeddedServer:
+        # the bus port is chosen too: the default, port + 10000, may be taken or out of range
+        bus_port = _free_port()
+        node = EmbeddedServer(binary=self.binary, extra_args=(
+            "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+            "--cluster-port", str(bus_port), "--cluster-node-timeout", "5000", *self.extra_args,
+        ))
+        node.start()
+        self.nodes.append(node)
+        self._bus_ports.append(bus_port)
+        return node
 
     def _form(self) -> None:
         clients = [_node_client(node) for node in self.nodes]

@@ -483,3 +483,50 @@ async def test_a_plain_url_to_a_cluster_node_opens_a_cluster_bus(cluster: Embedd
         await bob.accept_handoff(handle.handoff_id)
         with anyio.fail_after(10):
             assert (await handle.decision()).status is S.ACCEPTED
+
+
+@pytest.mark.parametrize("binary", list(SERVER_BINARIES))
+async def test_a_call_asked_to_a_new_primary_during_a_scale_out_follows_the_ask(
+    binary: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scale-out: a primary joins serving no slot, and a slot is resharded to it. A call whose
+    keys are not on the source (a new requester's first request) is answered ASK, naming a
+    node no slot table lists yet: it goes there and waits out the migration, where it failed
+    with AskError."""
+    cluster = await anyio.to_thread.run_sync(start_cluster, SERVER_BINARIES[binary], 2)
+    try:
+        new = await anyio.to_thread.run_sync(cluster.add_primary)
+        ids = await anyio.to_thread.run_sync(cluster.node_ids)
+        async with admin(cluster) as nodes, HandoffBus.connect(cluster.url, prefix=new_prefix()) as bus:
+            table = await nodes[0].execute_command("CLUSTER", "SLOTS")
+            requester = "req-0"
+            slot = key_slot(requester.encode())  # its keys' hash tag
+            src = [node.port for node in cluster.nodes].index(_owner(table, slot))
+            dst = cluster.nodes.index(new)
+            await nodes[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
+            await nodes[src].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
+            handles: list[HandoffHandle] = []
+            asked, named = anyio.Event(), clustering.ClusterSender._node_named
+
+            def noting(sender: clustering.ClusterSender, host: str, port: int) -> Any:
+                asked.set()
+                return named(sender, host, port)
+
+            monkeypatch.setattr(clustering.ClusterSender, "_node_named", noting)
+
+            async def request() -> None:
+                handles.append(await bus.client(requester).request_handoff(req(requester, "echo-1")))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(request)
+                with anyio.fail_after(10):
+                    await asked.wait()  # the source answered ASK, naming the new node
+                assert not handles  # held back while the slot migrates
+                for i in [dst, src, *(i for i in range(len(nodes)) if i not in (src, dst))]:
+                    await nodes[i].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+            [handle] = handles
+            record = await bus.client(requester).get_handoff_status(handle.handoff_id)
+            assert record is not None and record.status is S.PENDING
+            assert await nodes[dst].execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) > 0  # written there
+    finally:
+        await anyio.to_thread.run_sync(cluster.stop)
