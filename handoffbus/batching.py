@@ -97,7 +97,7 @@ class ScriptBatcher:
                 for _ in range(self._senders):
                     tg.start_soon(self._sender)
                 if self._cluster is not None:
-                    tg.start_soon(self._cluster.unparker)
+                    tg.start_soon(self._cluster.run)
                 task_status.started()
         finally:
             self._closed = True

@@ -13,6 +13,12 @@ an argument), keeping the writes made before: a half-done transition. So on a cl
 call also declares a guard key of its slot that never exists: a node answers TRYAGAIN to a
 call with a missing key while the slot is migrating or importing, and sees nothing special
 about it otherwise. A migration thus holds a slot's calls back until its keys have moved.
+
+A node that stops answering without closing its connections (frozen, or cut off by the
+network) would hold every round that sends it a call, and with them the batcher's few
+senders and every other node's calls. So a node's replies are awaited ``NODE_REPLY_WAIT``
+seconds at most; past that its calls fail as on a lost connection, and the node counts as
+silent: its calls fail at once, without being sent, until it answers a PING.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from collections import Counter
 from typing import Any
 
 import anyio
+from hiredis import pack_command
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.cluster import PRIMARY
 from redis.exceptions import (
@@ -36,6 +43,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import HandoffbusError
 from .scripts import Command, Reload, Script
@@ -51,6 +59,12 @@ REDIRECT_ROUNDS = 16
 MIGRATION_WAIT = 30.0
 
 
+#: seconds a node may take to answer a batch of calls before it is taken for silent (frozen,
+#: or cut off without a reset): its calls fail as on a lost connection, and its later calls
+#: fail at once until it answers a PING, so that no other node's calls wait on it
+NODE_REPLY_WAIT = 10.0
+#: seconds between PINGs to a silent node, and how long each may take
+PROBE_EVERY = 1.0
 #: seconds closing connections may take (a socket's close waits on its peer)
 CLOSE_WAIT = 2.0
 
@@ -157,6 +171,9 @@ class ClusterSender:
         #: connections this sender took from nodes, and their node: one handed back to a node
         #: that a later topology refresh dropped is beyond the client's own close
         self._used: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        #: nodes that did not answer within NODE_REPLY_WAIT, by name, until one answers a PING
+        self.silent: dict[str, Any] = {}
+        self._heard_silence = anyio.Event()
 
     async def close(self) -> None:
         """Close the connections left on nodes the client no longer knows; the rest are the
@@ -199,6 +216,26 @@ class ClusterSender:
             self._parked_runs += [run for run in runs if run.current()]
             self._unpark.set()
 
+    async def run(self) -> None:
+        """The sender's own tasks, until cancelled: the unparker and the prober."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.unparker)
+            tg.start_soon(self.prober)
+
+    async def prober(self) -> None:
+        """PING the silent nodes every PROBE_EVERY seconds; one that answers takes calls again,
+        and one a topology refresh dropped (a failover replaced it) is forgotten."""
+        while True:
+            if not self.silent:
+                self._heard_silence = anyio.Event()
+                await self._heard_silence.wait()
+            await anyio.sleep(PROBE_EVERY)  # a timer
+            cached = self._redis.nodes_manager.nodes_cache
+            for name, node in list(self.silent.items()):
+                if cached.get(name) is not node or await _answers(node):
+                    del self.silent[name]
+                    log.info("cluster node %s answers again", name)
+
     async def unparker(self) -> None:
         """Send the parked calls again, all together, with growing pauses while their slots
         stay in migration; then their groups' later waves. One task for all of them, so a
@@ -235,7 +272,11 @@ class ClusterSender:
         answers: dict[str, list[Any]] = {}
         async with anyio.create_task_group() as tg:
             for name, (node, sent) in by_node.items():
-                tg.start_soon(self._on_node, node, sent, answers, name)
+                if name in self.silent:  # not sent: it would hold this round up to NODE_REPLY_WAIT
+                    answers[name] = [RedisConnectionError(f"cluster node {name} is not answering")] * len(sent)
+                    tg.start_soon(self._refresh_slots, name)  # a failover may have moved its slots
+                else:
+                    tg.start_soon(self._on_node, node, sent, answers, name)
         again: list[ScriptCall] = []
         later: list[ScriptCall] = []
         missing: dict[str, Script] = {}
@@ -287,9 +328,15 @@ class ClusterSender:
             return
         self._used[conn] = node
         try:
-            answers[name] = await exchange(conn, calls, [call.asked is not None for call in calls])
+            answers[name] = await exchange(conn, calls, [call.asked is not None for call in calls],
+                                           reply_wait=NODE_REPLY_WAIT)
         except (RedisError, OSError) as exc:  # this node's calls hear it; the other nodes' do not
             answers[name] = [exc] * len(calls)
+            if isinstance(exc, RedisTimeoutError) and name not in self.silent:
+                log.warning("cluster node %s did not answer within %g s; its calls fail until it answers a PING",
+                            name, NODE_REPLY_WAIT)
+                self.silent[name] = node
+                self._heard_silence.set()
             await self._refresh_slots(node.name)
         finally:
             if self._redis.nodes_manager.nodes_cache.get(node.name) is node:
@@ -320,6 +367,24 @@ class ClusterSender:
             await self._redis.nodes_manager.initialize(last_failed_node_name=failed)
         except (RedisError, RedisClusterException, OSError) as exc:  # no node answered at all
             log.warning("could not refresh the cluster's slots (%s)", exc)
+
+
+async def _answers(node: Any) -> bool:
+    """Whether ``node`` answers a PING within PROBE_EVERY seconds, on a connection of its own."""
+    try:
+        conn = node.acquire_connection()
+    except MaxConnectionsError:
+        return False
+    try:
+        with anyio.fail_after(PROBE_EVERY):
+            await conn.send_packed_command(pack_command(("PING",)), check_health=False)
+            return bool(await conn.read_response())
+    except (TimeoutError, RedisError, OSError):
+        return False
+    finally:
+        with anyio.move_on_after(CLOSE_WAIT, shield=True):
+            await _disconnect(conn)  # (its reply may still be on its way)
+        node.release(conn)
 
 
 def unreachable(exc: Exception) -> Exception:

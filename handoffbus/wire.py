@@ -118,17 +118,21 @@ def pack_call(call: ScriptCall, guard: bool = False) -> bytes:
     return plain
 
 
-async def exchange(conn: Any, calls: list[ScriptCall], asking: list[bool] | None = None) -> list[Any]:
+async def exchange(
+    conn: Any, calls: list[ScriptCall], asking: list[bool] | None = None, reply_wait: float | None = None
+) -> list[Any]:
     """Write the calls as one write on one connection, then read one reply per call. On a
     cluster node (``asking`` given) each call declares its guard key, and a call marked in
-    ``asking`` goes right after an ASKING, which applies to the next command only."""
+    ``asking`` goes right after an ASKING, which applies to the next command only. Each reply
+    is awaited ``reply_wait`` seconds at most, or the connection's socket timeout if shorter."""
     if asking is None:
         data = b"".join(pack_call(call) for call in calls)
     else:  # a cluster node
         data = b"".join((_ASKING if ask else b"") + pack_call(call, guard=True)
                         for call, ask in zip(calls, asking, strict=True))
     # a script never blocks: the connection's socket timeout, if its URL set one, bounds each reply
-    return await _round_trip(conn, data, len(calls), asking, getattr(conn, "socket_timeout", None))
+    waits = [w for w in (reply_wait, getattr(conn, "socket_timeout", None)) if w]
+    return await _round_trip(conn, data, len(calls), asking, min(waits) if waits else None)
 
 
 async def _round_trip(

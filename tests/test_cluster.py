@@ -16,10 +16,12 @@ The behavioural suites run on a cluster too: see the cluster backends in conftes
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from itertools import count
 from typing import Any
 
 import anyio
@@ -250,8 +252,8 @@ def watch_exchanges(monkeypatch: pytest.MonkeyPatch, seen: Callable[[list[Any], 
     """Tell ``seen`` of every exchange the bus has with a node: its calls and their replies."""
     exchange = clustering.exchange
 
-    async def watched(conn: Any, calls: list[Any], asking: list[bool] | None = None) -> list[Any]:
-        replies = await exchange(conn, calls, asking)
+    async def watched(conn: Any, calls: list[Any], asking: list[bool] | None = None, **wait: Any) -> list[Any]:
+        replies = await exchange(conn, calls, asking, **wait)
         seen(calls, replies)
         return replies
 
@@ -528,5 +530,57 @@ async def test_a_call_asked_to_a_new_primary_during_a_scale_out_follows_the_ask(
             record = await bus.client(requester).get_handoff_status(handle.handoff_id)
             assert record is not None and record.status is S.PENDING
             assert await nodes[dst].execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) > 0  # written there
+    finally:
+        await anyio.to_thread.run_sync(cluster.stop)
+
+
+@pytest.mark.parametrize("binary", list(SERVER_BINARIES))
+async def test_a_node_that_stops_answering_holds_up_no_other_node(
+    binary: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A primary frozen (SIGSTOP: its connections stay open, nothing answers): its calls fail
+    once NODE_REPLY_WAIT has passed, and at once after that, while calls to the other node go
+    on; thawed, it answers a PING and takes calls again. Without a bound, its calls waited for
+    ever and held up the senders every other call needs."""
+    monkeypatch.setattr(clustering, "NODE_REPLY_WAIT", 0.5)
+    monkeypatch.setattr(clustering, "PROBE_EVERY", 0.1)
+    cluster = await anyio.to_thread.run_sync(start_cluster, SERVER_BINARIES[binary], 2)
+    try:
+        async with admin(cluster) as nodes, HandoffBus.connect(cluster.url, prefix=new_prefix()) as bus:
+            table = await nodes[0].execute_command("CLUSTER", "SLOTS")
+            ports = [node.port for node in cluster.nodes]
+
+            def on(index: int, tag: str) -> str:
+                return next(f"{tag}-{i}" for i in count() if _owner(table, key_slot(f"{tag}-{i}".encode()))
+                            == ports[index])
+
+            live = bus.client(on(0, "live"))
+            frozen = bus.client(on(1, "frozen"))
+            target = on(0, "target")  # the live node's: a request of the live requester stays there
+            await live.request_handoff(req(live.agent_id, target))
+            await frozen.request_handoff(req(frozen.agent_id, target))
+            process = cluster.nodes[1].process
+            assert process is not None
+            process.send_signal(signal.SIGSTOP)
+            try:
+                with anyio.fail_after(5):
+                    with pytest.raises(RedisError):  # the reply wait ran out
+                        await frozen.request_handoff(req(frozen.agent_id, target))
+                    sender = bus._batcher._cluster if bus._batcher is not None else None
+                    assert sender is not None and list(sender.silent) == [f"127.0.0.1:{ports[1]}"]
+                    with pytest.raises(RedisError, match="is not answering"):  # at once now
+                        await frozen.request_handoff(req(frozen.agent_id, target))
+                    for _ in range(3):
+                        assert (await live.request_handoff(req(live.agent_id, target))).handoff_id
+            finally:
+                process.send_signal(signal.SIGCONT)
+            with anyio.fail_after(10):
+                while True:  # the prober hears it again; until then its calls are refused
+                    try:
+                        handle = await frozen.request_handoff(req(frozen.agent_id, target, request_id="after"))
+                        break
+                    except RedisError:
+                        await anyio.sleep(0.05)  # the caller's backoff
+            assert (await frozen.get_handoff_status(handle.handoff_id)) is not None
     finally:
         await anyio.to_thread.run_sync(cluster.stop)
