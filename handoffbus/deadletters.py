@@ -5,18 +5,24 @@ handoff's record is left as it was. Replaying queues the handoff again; failing 
 ACCEPTED one as FAILED under its recorded lease, so its requester hears the outcome (it has
 no deadline left to expire it, and the requester may not cancel accepted work). Either way
 the dead letter is dropped last, so a crash between the two steps loses nothing; one whose
-handoff ended meanwhile, or that names no handoff, is dropped alone.
+handoff ended meanwhile, or that names no handoff, is dropped alone. So is a stale one, whose
+handoff a worker of the agent holds again (its requester sent it again, say): acting on it
+would deliver the handoff twice, or fail live work. A record a worker could not decode is
+read for its status all the same. Two operators at once: a replay whose handoff ended
+while it was being issued again takes its entry back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from . import errors
 from .keys import GROUP, RESTORED
-from .models import DeadLetter, DeadLetterAction, HandoffRecord, HandoffStatus
-from .names import check_name
+from .models import TERMINAL, DeadLetter, DeadLetterAction, HandoffResponse, HandoffStatus
+from .names import check_name, split_handoff_id
+from .records import Loaded
 
 if TYPE_CHECKING:
     from .bus import HandoffBus
@@ -44,8 +50,17 @@ async def dead_letters(bus: HandoffBus, agent_id: str, count: int) -> list[DeadL
     ]
 
 
-async def _read(bus: HandoffBus, agent: str, entry_id: str) -> tuple[str, HandoffRecord | None]:
-    """The handoff a dead letter names and its record (None: gone, or it names no handoff)."""
+class _Read(NamedTuple):
+    """What acting on a dead letter reads: its handoff, that handoff's record as a worker reads
+    it (None: gone, or the dead letter names no handoff; never raises for a record that cannot
+    be decoded), and whether a worker of the agent holds the handoff again."""
+
+    handoff_id: str
+    row: Loaded | None
+    held: bool
+
+
+async def _read(bus: HandoffBus, agent: str, entry_id: str) -> _Read:
     if (not isinstance(entry_id, str) or not re.fullmatch(r"\d{1,20}-\d{1,20}", entry_id)
             or any(int(part) > MAX_STREAM_ID_PART for part in entry_id.split("-"))):
         raise errors.InvalidRequest(f"not a stream entry id: {entry_id!r} (like 1700000000000-0)")
@@ -54,27 +69,49 @@ async def _read(bus: HandoffBus, agent: str, entry_id: str) -> tuple[str, Handof
         raise errors.HandoffNotFound(f"dead letter {entry_id} of {agent}")
     handoff_id = found[0][1][b"h"].decode(errors="backslashreplace")
     try:
-        read = await bus.read_record(handoff_id)
+        split_handoff_id(handoff_id)
     except errors.InvalidName:  # a queue member written by hand: no handoff to act on
-        return handoff_id, None
-    return handoff_id, None if read is None else read[2]
+        return _Read(handoff_id, None, False)
+    [row] = await bus.load_records([handoff_id])
+    if row is not None and row.request is None:  # it cannot be decoded (why it is a dead letter, often)
+        status = await bus.redis.hget(bus.keys.record(*split_handoff_id(handoff_id)).record, "status")
+        with contextlib.suppress(ValueError, AttributeError):  # read as a worker reads it, PENDING
+            row = row._replace(status=HandoffStatus(status.decode()))
+    # taken again since (the same request sent again, a routed offer made again): the dead
+    # letter is stale, and acting on it would deliver the handoff twice, or fail live work
+    held = await bus.redis.hexists(bus.keys.target(agent).inflight, handoff_id)
+    return _Read(handoff_id, row, bool(held))
 
 
-async def _drop(bus: HandoffBus, agent: str, entry_id: str, handoff_id: str,
-                status: HandoffStatus | None, done: bool) -> DeadLetterAction:
+def _left_alone(read: _Read) -> bool:
+    """Whether the dead letter is only to be dropped: its handoff ended, is gone, or is held again."""
+    return read.row is None or read.row.status in TERMINAL or read.held
+
+
+async def _drop(bus: HandoffBus, agent: str, entry_id: str, read: _Read, done: bool,
+                row: Loaded | HandoffResponse | None) -> DeadLetterAction:
+    """Drop the dead letter (last: a crash before it leaves the dead letter, never the handoff
+    unattended); ``row``: what says the handoff's status now."""
     await bus.redis.xdel(bus.keys.dead_letters(agent), entry_id)
-    return DeadLetterAction(handoff_id=handoff_id, done=done, status=status)
+    return DeadLetterAction(handoff_id=read.handoff_id, done=done, status=None if row is None else row.status,
+                            held=read.held and not done)
 
 
 async def replay_dead_letter(bus: HandoffBus, agent_id: str, entry_id: str) -> DeadLetterAction:
     agent = check_name(agent_id, "agent id")
-    handoff_id, record = await _read(bus, agent, entry_id)
-    live = record is not None and not record.terminal
-    if record is not None and record.status is HandoffStatus.ACCEPTED:
-        await bus.script("admit", bus.keys.target(agent).as_list(), [GROUP, RESTORED, handoff_id])
-    elif live and record is not None:
-        await bus.enqueue(agent, handoff_id, record.request.priority)
-    return await _drop(bus, agent, entry_id, handoff_id, None if record is None else record.status, live)
+    read = await _read(bus, agent, entry_id)
+    row = read.row
+    if row is None or _left_alone(read):
+        return await _drop(bus, agent, entry_id, read, False, row)
+    if row.status is HandoffStatus.ACCEPTED:
+        await bus.script("admit", bus.keys.target(agent).as_list(), [GROUP, RESTORED, read.handoff_id])
+    else:  # (a record that cannot be decoded goes at priority 0: its worker dead-letters it again)
+        await bus.enqueue(agent, read.handoff_id, row.request.priority if row.request is not None else 0)
+    [now] = await bus.load_records([read.handoff_id])
+    if now is None or now.status in TERMINAL:  # ended meanwhile (a fail of this dead letter, say)
+        await bus.settle(agent, [read.handoff_id])  # not left queued or in flight
+        return await _drop(bus, agent, entry_id, read, False, now)
+    return await _drop(bus, agent, entry_id, read, True, row)
 
 
 async def fail_dead_letter(bus: HandoffBus, agent_id: str, entry_id: str, error: str) -> DeadLetterAction:
@@ -84,13 +121,16 @@ async def fail_dead_letter(bus: HandoffBus, agent_id: str, entry_id: str, error:
     if bus.keyring is not None and not bus.keyring.can_sign(agent):
         # responses are signed on this bus: an unsigned FAILED would fail its requester's check
         raise errors.InvalidRequest(f"this bus has no signing key of {agent!r}: its FAILED could not be signed")
-    handoff_id, record = await _read(bus, agent, entry_id)
-    if record is not None and record.status is HandoffStatus.PENDING:
+    read = await _read(bus, agent, entry_id)
+    if read.row is not None and read.row.status is HandoffStatus.PENDING and not read.held:
         # not this agent's to end: its requester may cancel it, and its deadline expires it
-        raise errors.InvalidTransition(handoff_id, record.status.value, "fail")
-    if record is None or record.terminal:
-        return await _drop(bus, agent, entry_id, handoff_id, None if record is None else record.status, False)
-    # as the agent, under the lease its last worker held (no worker holds it now: a replay
-    # meanwhile that a worker took over moves the lease, and this fail is refused)
-    response = await bus.client(agent)._transition("fail", handoff_id, {"error": error, "lease": record.lease})
-    return await _drop(bus, agent, entry_id, handoff_id, response.status, True)
+        raise errors.InvalidTransition(read.handoff_id, read.row.status.value, "fail")
+    if _left_alone(read):
+        return await _drop(bus, agent, entry_id, read, False, read.row)
+    # as the agent, under the lease its last worker held; read apart from the record, which a
+    # worker could not decode (that is why some are dead-lettered)
+    record = bus.keys.record(*split_handoff_id(read.handoff_id)).record
+    lease = await bus.redis.hget(record, "lease")
+    response = await bus.client(agent)._transition(
+        "fail", read.handoff_id, {"error": error, "lease": None if lease is None else lease.decode()})
+    return await _drop(bus, agent, entry_id, read, True, response)

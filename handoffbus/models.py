@@ -149,13 +149,16 @@ class DeadLetterAction(msgspec.Struct, frozen=True, kw_only=True):
     """What replaying or failing a dead letter did, the dead letter being dropped either way.
     True (``done``): its handoff was queued again (an ACCEPTED one: issued for a live worker
     to take over), or failed. False: nothing else was done, its handoff having ended
-    (``status``), its record being gone (``status`` None), or it naming no handoff (a
-    hand-written queue member; ``handoff_id`` shown escaped)."""
+    (``status``), being held by a worker again (``held``), its record being gone (``status``
+    None), or it naming no handoff (a hand-written queue member; ``handoff_id`` shown escaped)."""
 
     handoff_id: str
     done: bool
     #: the handoff's status as read (a replay), or as the fail left it (FAILED)
     status: HandoffStatus | None = None
+    #: dropped alone because a worker of the agent holds the handoff again (the same request
+    #: was sent again, or a routed offer made again): the dead letter was stale
+    held: bool = False
 
     def __bool__(self) -> bool:
         return self.done

@@ -289,7 +289,7 @@ def test_a_dead_letters_accepted_handoff_failed_from_the_cli(cli: Cli) -> None:
     assert refused.exit_code == 1 and "cannot fail handoff 'req/d-2': it is PENDING" in refused.stdout
     failed = cli.json("dlq", "fail", "sick-2", accepted["entry_id"], "--error", "operator gave up")
     assert failed == {"agent": "sick-2", "entry_id": accepted["entry_id"], "handoff_id": "req/d-1", "failed": True,
-                      "status": "FAILED"}
+                      "status": "FAILED", "held": False}
     record = cli.json("status", "req/d-1")["record"]
     assert record["status"] == "FAILED" and record["response"]["error"] == "operator gave up"
     assert [d["entry_id"] for d in cli.json("dlq", "list", "sick-2")] == [pending["entry_id"]]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 
@@ -14,6 +16,7 @@ from handoffbus import (
     InvalidTransition,
     Keyring,
     SigningKey,
+    deadletters,
 )
 from handoffbus.workers import Worker
 from handoffbus.workers.inbox import Delivery, Inbox
@@ -143,6 +146,73 @@ async def test_a_dead_lettered_accepted_handoff_can_be_failed_so_its_requester_h
     assert await client.fail_dead_letter("echo-1", second.entry_id, "given up") == DeadLetterAction(
         handoff_id=pending.handoff_id, done=False, status=HandoffStatus.CANCELLED)
     assert await client.get_dead_letters("echo-1") == []
+
+
+async def test_a_stale_dead_letter_of_a_handoff_taken_again_is_dropped_not_acted_on(bus: HandoffBus) -> None:
+    """Dead-lettered PENDING, then sent again by their requester and taken, one accepted, by a
+    live worker: failing a dead letter would fail live work, replaying it deliver it twice."""
+    client, keys = bus.client("req"), bus.keys.target("echo-1")
+    handles = [await client.request_handoff(req("req", "echo-1", request_id=f"job-{i}")) for i in (1, 2)]
+    ghost = Inbox(bus, "echo-1", "ghost")
+    for taken in (await ghost.take(2))[1]:
+        await ghost.dead_letter(taken, "delivered 6 times; its handling kept stopping workers", 6)
+    for i in (1, 2):  # sent again: queued again
+        await client.request_handoff(req("req", "echo-1", request_id=f"job-{i}"))
+    assert len((await Inbox(bus, "echo-1", "live").take(2))[1]) == 2
+    accepted, pending = handles
+    await bus.client("echo-1")._transition("accept", accepted.handoff_id, {"lease": "live"}, settle=False)
+    first, second = await client.get_dead_letters("echo-1")
+    assert await client.fail_dead_letter("echo-1", first.entry_id, "given up") == DeadLetterAction(
+        handoff_id=accepted.handoff_id, done=False, status=HandoffStatus.ACCEPTED, held=True)
+    record = await client.get_handoff_status(accepted.handoff_id)
+    assert record is not None and record.status is HandoffStatus.ACCEPTED and record.lease == "live"
+    assert await client.replay_dead_letter("echo-1", second.entry_id) == DeadLetterAction(
+        handoff_id=pending.handoff_id, done=False, status=HandoffStatus.PENDING, held=True)
+    assert (await bus.redis.xpending(keys.inbox, "workers"))["pending"] == 2  # the live worker's only
+    assert await bus.redis.zcard(keys.queue) == 0 and await client.get_dead_letters("echo-1") == []
+
+
+async def test_an_accepted_handoff_whose_record_cannot_be_decoded_can_be_failed(bus: HandoffBus) -> None:
+    client = bus.client("req")
+    handle = await client.request_handoff(req("req", "echo-1", request_id="bad"))
+    ghost = Inbox(bus, "echo-1", "ghost")
+    _, [taken] = await ghost.take(1)
+    await bus.client("echo-1")._transition("accept", handle.handoff_id, {"lease": "ghost"}, settle=False)
+    await bus.redis.set(bus.keys.record("req", "bad").envelope, b"\xc1 not a request")
+    await ghost.dead_letter(taken, "DecodeError: its record cannot be decoded", 1)
+    [dead] = await client.get_dead_letters("echo-1")
+    action = await client.fail_dead_letter("echo-1", dead.entry_id, "its record cannot be decoded")
+    assert action == DeadLetterAction(handoff_id=handle.handoff_id, done=True, status=HandoffStatus.FAILED)
+    assert await client.get_dead_letters("echo-1") == []
+
+
+async def test_a_replay_that_a_fail_overtook_leaves_nothing_in_flight(
+    bus: HandoffBus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two operators at once: the fail lands between the replay's read and its admit. The
+    replay takes back its admit of the now FAILED handoff, and says it did nothing."""
+    client, keys = bus.client("req"), bus.keys.target("echo-1")
+    handle = await client.request_handoff(req("req", "echo-1"))
+    ghost = Inbox(bus, "echo-1", "ghost")
+    _, [taken] = await ghost.take(1)
+    await bus.client("echo-1")._transition("accept", handle.handoff_id, {"lease": "ghost"}, settle=False)
+    await ghost.dead_letter(taken, "delivered 8 times; its handling kept stopping workers", 8)
+    [dead] = await client.get_dead_letters("echo-1")
+    read, failed = deadletters._read, []
+
+    async def then_failed(*args: Any) -> Any:
+        found = await read(*args)
+        if not failed:  # the replay's read; the other operator's fail goes first
+            monkeypatch.setattr(deadletters, "_read", read)
+            failed.append(await client.fail_dead_letter("echo-1", dead.entry_id, "given up"))
+        return found
+
+    monkeypatch.setattr(deadletters, "_read", then_failed)
+    replayed = await client.replay_dead_letter("echo-1", dead.entry_id)
+    assert failed == [DeadLetterAction(handoff_id=handle.handoff_id, done=True, status=HandoffStatus.FAILED)]
+    assert replayed == DeadLetterAction(handoff_id=handle.handoff_id, done=False, status=HandoffStatus.FAILED)
+    assert await bus.redis.hlen(keys.inflight) == 0
+    assert (await bus.redis.xpending(keys.inbox, "workers"))["pending"] == 0
 
 
 async def test_a_dead_letter_is_not_failed_by_a_bus_that_cannot_sign_for_its_agent(bus: HandoffBus) -> None:

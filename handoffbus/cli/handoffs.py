@@ -349,11 +349,13 @@ async def _dlq_act(opts: Options, agent: str, entry: str, error: str | None) -> 
         status = None if action.status is None else action.status.value
         if opts.json:
             emit_json({"agent": agent, "entry_id": entry, "handoff_id": action.handoff_id,
-                       "replayed" if error is None else "failed": action.done, "status": status})
+                       "replayed" if error is None else "failed": action.done, "status": status,
+                       "held": action.held})
         elif action:
             console.print(f"replayed {entry} ({action.handoff_id}) to {agent}" if error is None
                           else f"failed {action.handoff_id} ({entry} of {agent})")
         else:
-            console.print(f"dropped dead letter {entry} of {agent}: {action.handoff_id} "
-                          + (f"is {status}" if status else "has no record (it names no handoff, or it expired)"))
+            why = (f"is {status}, held by a worker again" if action.held else f"is {status}" if status
+                   else "has no record (it names no handoff, or it expired)")
+            console.print(f"dropped dead letter {entry} of {agent}: {action.handoff_id} {why}")
         return EXIT_OK if action else EXIT_FAILED
