@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import pytest
@@ -165,17 +166,25 @@ def _open_gated() -> Gated:
     return agent
 
 
-async def test_drain_hands_back_what_is_still_being_decided(bus: HandoffBus) -> None:
-    client = bus.client("req")
-    handles = [await client.request_handoff(req("req", "gated-1")) for _ in range(3)]
+async def _drained_while_deciding(bus: HandoffBus, count: int,
+                                  meanwhile: Callable[[], Awaitable[Any]] | None = None) -> None:
+    """Drain a worker whose acceptance hook holds ``count`` handoffs (``meanwhile`` runs first)."""
     stuck = Gated(hold_in_acceptance=True)  # its gate never opens
-    stuck.want = 3
-    worker = Worker(bus, stuck, concurrency=3, grace=0.05)
+    stuck.want = count
+    worker = Worker(bus, stuck, concurrency=count, grace=0.05)
     async with anyio.create_task_group() as tg:
         await tg.start(worker.run)
         with anyio.fail_after(10):
             await stuck.reached.wait()
+        if meanwhile is not None:
+            await meanwhile()
         worker.drain()
+
+
+async def test_drain_hands_back_what_is_still_being_decided(bus: HandoffBus) -> None:
+    client = bus.client("req")
+    handles = [await client.request_handoff(req("req", "gated-1")) for _ in range(3)]
+    await _drained_while_deciding(bus, 3)
     keys = bus.keys.target("gated-1")
     assert await bus.redis.zcard(keys.queue) == 3  # handed back to the queue
     assert (await bus.redis.xpending(keys.inbox, "workers"))["pending"] == 0
@@ -188,15 +197,7 @@ async def test_drain_hands_back_what_is_still_being_decided(bus: HandoffBus) -> 
 async def test_drain_does_not_hand_back_what_was_cancelled_while_being_decided(bus: HandoffBus) -> None:
     client = bus.client("req")
     kept, cancelled = [await client.request_handoff(req("req", "gated-1")) for _ in range(2)]
-    stuck = Gated(hold_in_acceptance=True)
-    stuck.want = 2
-    worker = Worker(bus, stuck, concurrency=2, grace=0.05)
-    async with anyio.create_task_group() as tg:
-        await tg.start(worker.run)
-        with anyio.fail_after(10):
-            await stuck.reached.wait()
-        await cancelled.cancel()  # settles its queue and inbox entries
-        worker.drain()
+    await _drained_while_deciding(bus, 2, cancelled.cancel)  # the cancel settles its queue and inbox entries
     keys = bus.keys.target("gated-1")
     assert await bus.redis.zrange(keys.queue, 0, -1) == [kept.handoff_id.encode()]  # the other only
     assert await bus.redis.hlen(keys.inflight) == 0
