@@ -331,7 +331,8 @@ class ClusterSender:
             answers[name] = await exchange(conn, calls, [call.asked is not None for call in calls],
                                            reply_wait=NODE_REPLY_WAIT)
         except (RedisError, OSError) as exc:  # this node's calls hear it; the other nodes' do not
-            answers[name] = [exc] * len(calls)
+            read = getattr(exc, "replies_read", [])  # those calls ran: they keep their replies
+            answers[name] = [*read, *[exc] * (len(calls) - len(read))]
             if isinstance(exc, RedisTimeoutError) and name not in self.silent:
                 log.warning("cluster node %s did not answer within %g s; its calls fail until it answers a PING",
                             name, NODE_REPLY_WAIT)
