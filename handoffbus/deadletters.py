@@ -77,10 +77,12 @@ async def _read(bus: HandoffBus, agent: str, entry_id: str) -> _Read:
         status = await bus.redis.hget(bus.keys.record(*split_handoff_id(handoff_id)).record, "status")
         with contextlib.suppress(ValueError, AttributeError):  # read as a worker reads it, PENDING
             row = row._replace(status=HandoffStatus(status.decode()))
-    # taken again since (the same request sent again, a routed offer made again): the dead
-    # letter is stale, and acting on it would deliver the handoff twice, or fail live work
-    held = await bus.redis.hexists(bus.keys.target(agent).inflight, handoff_id)
-    return _Read(handoff_id, row, bool(held))
+    # taken again since (the same request sent again, a routed offer made again), or accepted
+    # by another agent (routed on): the dead letter is stale, and acting on it would deliver
+    # the handoff twice, or fail live work
+    held = row is not None and row.status is HandoffStatus.ACCEPTED and row.agent not in (None, agent)
+    held = held or bool(await bus.redis.hexists(bus.keys.target(agent).inflight, handoff_id))
+    return _Read(handoff_id, row, held)
 
 
 def _left_alone(read: _Read) -> bool:

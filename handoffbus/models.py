@@ -156,8 +156,9 @@ class DeadLetterAction(msgspec.Struct, frozen=True, kw_only=True):
     done: bool
     #: the handoff's status as read (a replay), or as the fail left it (FAILED)
     status: HandoffStatus | None = None
-    #: dropped alone because a worker of the agent holds the handoff again (the same request
-    #: was sent again, or a routed offer made again): the dead letter was stale
+    #: dropped alone because a worker holds the handoff again: one of the agent's (the same
+    #: request was sent again, or a routed offer made again), or of another agent that accepted
+    #: it since (routed on): the dead letter was stale
     held: bool = False
 
     def __bool__(self) -> bool:

@@ -172,6 +172,24 @@ async def test_a_stale_dead_letter_of_a_handoff_taken_again_is_dropped_not_acted
     assert await bus.redis.zcard(keys.queue) == 0 and await client.get_dead_letters("echo-1") == []
 
 
+async def test_a_dead_letter_of_a_handoff_another_agent_accepted_since_is_dropped(bus: HandoffBus) -> None:
+    """A routed handoff dead-lettered by one agent and routed on, then accepted by another:
+    neither failing (not that agent's to fail) nor replaying it (an entry no worker of the
+    first agent could take over) would do anything but mislead."""
+    client = bus.client("req")
+    handle = await client.request_handoff(req("req", "echo-1"))
+    await bus.client("echo-1").accept_handoff(handle.handoff_id)
+    first = Inbox(bus, "first-1", "ghost")
+    stale, again = [await first.dead_letter(Delivery(handoff_id=handle.handoff_id, entry_id=f"1-{i}"),
+                                            "delivered 6 times; its handling kept stopping workers", 6) for i in (1, 2)]
+    accepted_elsewhere = DeadLetterAction(handoff_id=handle.handoff_id, done=False, status=HandoffStatus.ACCEPTED,
+                                          held=True)
+    assert await client.fail_dead_letter("first-1", stale.decode(), "given up") == accepted_elsewhere
+    assert await client.replay_dead_letter("first-1", again.decode()) == accepted_elsewhere
+    keys = bus.keys.target("first-1")
+    assert await bus.redis.hlen(keys.inflight) == 0 and await client.get_dead_letters("first-1") == []
+
+
 async def test_an_accepted_handoff_whose_record_cannot_be_decoded_can_be_failed(bus: HandoffBus) -> None:
     client = bus.client("req")
     handle = await client.request_handoff(req("req", "echo-1", request_id="bad"))
