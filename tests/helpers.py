@@ -13,12 +13,10 @@ from typing import Any
 import anyio
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from handoffbus import (
     ConversationEntry,
     HandoffBus,
-    HandoffClient,
     HandoffContext,
     HandoffHandle,
     HandoffRequest,
@@ -121,20 +119,3 @@ async def live(bus: HandoffBus, agent: str, consumer: str) -> None:
                      [consumer, info, 60000])
     await bus.redis.sadd(bus.keys.agents, agent)
 
-
-
-async def two_requests_at_once(client: HandoffClient, to: str) -> dict[str, HandoffHandle | RedisConnectionError]:
-    """Request two handoffs from ``client`` to ``to`` at once (they share a batch): each one's
-    handle, or the connection error it heard, by reason ("first", "second")."""
-    results: dict[str, HandoffHandle | RedisConnectionError] = {}
-
-    async def ask(reason: str) -> None:
-        try:
-            results[reason] = await client.request_handoff(req(client.agent_id, to, reason=reason))
-        except RedisConnectionError as exc:
-            results[reason] = exc
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(ask, "first")
-        tg.start_soon(ask, "second")
-    return results

@@ -44,7 +44,7 @@ from handoffbus.workers import Accept, Agent, ReceivedHandoff, Reject, RetryPoli
 
 from .agents import Echo, Faulty
 from .conftest import SERVER_BINARIES, new_prefix, start_cluster
-from .helpers import LARGE, req, routed, serving, two_requests_at_once
+from .helpers import LARGE, req, routed, serving
 
 pytestmark = pytest.mark.anyio
 S = HandoffStatus
@@ -608,7 +608,17 @@ async def test_replies_read_before_a_nodes_connection_failed_reach_their_callers
         client = bus.client("a")
         await client.request_handoff(req("a", "b"))  # "b" registered as a target
         monkeypatch.setattr(clustering, "exchange", fails_midway)
-        results = await two_requests_at_once(client, "b")
+        results: dict[str, Any] = {}
+
+        async def ask(reason: str) -> None:
+            try:
+                results[reason] = await client.request_handoff(req("a", "b", reason=reason))
+            except RedisConnectionError as exc:
+                results[reason] = exc
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask, "first")
+            tg.start_soon(ask, "second")
         assert cut
         handled = {reason: type(result).__name__ for reason, result in results.items()}
         assert sorted(handled.values()) == ["ConnectionError", "HandoffHandle"], handled
