@@ -590,14 +590,14 @@ async def test_a_node_that_stops_answering_holds_up_no_other_node(
 async def test_replies_read_before_a_nodes_connection_failed_reach_their_callers(
     cluster: EmbeddedCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two requests share an exchange with their node, whose connection fails after the first
-    one's reply was read: that caller gets its handle (told the connection failed, it would
-    send the request again); only the second hears the failure."""
+    """Two calls share an exchange with their node, whose connection fails after the first
+    one's reply was read: that call keeps its reply (told the connection failed, its caller
+    would send again what ran); only the second hears the failure."""
     exchange, cut = clustering.exchange, []
 
     async def fails_midway(conn: Any, calls: list[Any], *args: Any, **kwargs: Any) -> list[Any]:
         replies = await exchange(conn, calls, *args, **kwargs)  # every call ran
-        if [call.script.name for call in calls] == ["request", "request"] and not cut:
+        if [call.script.name for call in calls] == ["enqueue", "enqueue"] and not cut:
             cut.append(True)
             exc = RedisConnectionError("Connection reset by peer")
             exc.replies_read = replies[:1]  # type: ignore[attr-defined]  # what came back before it
@@ -605,23 +605,9 @@ async def test_replies_read_before_a_nodes_connection_failed_reach_their_callers
         return replies
 
     async with HandoffBus.connect(cluster.url, prefix=new_prefix()) as bus:
-        client = bus.client("a")
-        await client.request_handoff(req("a", "b"))  # "b" registered as a target
         monkeypatch.setattr(clustering, "exchange", fails_midway)
-        results: dict[str, Any] = {}
-
-        async def ask(reason: str) -> None:
-            try:
-                results[reason] = await client.request_handoff(req("a", "b", reason=reason))
-            except RedisConnectionError as exc:
-                results[reason] = exc
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(ask, "first")
-            tg.start_soon(ask, "second")
+        # one group: one batch, and one wave (the same script, one slot), so one exchange
+        first, second = await bus.scripts_many([bus.enqueue_call("b", f"a/r{i}", 0) for i in (1, 2)])
         assert cut
-        handled = {reason: type(result).__name__ for reason, result in results.items()}
-        assert sorted(handled.values()) == ["ConnectionError", "HandoffHandle"], handled
-        [handle] = [r for r in results.values() if isinstance(r, HandoffHandle)]
-        record = await handle.status()
-        assert record is not None and record.status is S.PENDING
+        assert not isinstance(first, BaseException) and isinstance(second, RedisConnectionError), (first, second)
+        assert await bus.redis.zrange(bus.keys.target("b").queue, 0, -1) == [b"a/r1", b"a/r2"]  # both ran
