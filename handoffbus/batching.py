@@ -38,7 +38,7 @@ class ScriptBatcher:
                  reload: Reload | None = None, lines: Any = None) -> None:
         """``reload``: by default the batcher loads the scripts itself (``load``). ``lines``: on
         one server, the pool each sender takes the connection it keeps from (by default the
-        client's own; the bus gives one outside its pool's cap, see ``bus._blocking_client``)."""
+        client's own; the bus gives one outside its pool's cap, see ``connections.blocking_client``)."""
         self._redis = redis
         self._scripts = scripts
         self._senders = senders

@@ -9,15 +9,15 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import anyio
-import redis.asyncio as aioredis
 from anyio.abc import TaskGroup
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisClusterException, RedisError
 
 from .batching import ScriptBatcher
 from .client import HandoffClient
-from .cluster import ClusterClient, is_cluster, seal
+from .cluster import is_cluster, seal
 from .codecs import PayloadCodec
 from .config import BusConfig
+from .connections import blocking_client, cluster_url, make_client
 from .embedded import EmbeddedCluster, EmbeddedServer
 from .errors import AuthenticationFailed, HandoffbusError, InvalidRequest, ServerUnavailable, ServerUnsupported
 from .forwarding import Outbox
@@ -36,66 +36,6 @@ from .waiters import ResponseReader, Waiter, clock
 from .wire import Line
 
 __all__ = ["HandoffBus"]
-
-
-#: URL schemes that ask for a Redis Cluster client, and the plain scheme each stands for
-CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
-#: connections per node of a cluster client; redis-py's cluster client fails a command
-#: rather than wait for a free connection, and every blocking read holds one
-CLUSTER_MAX_CONNECTIONS = 512
-
-
-def _cluster_url(url: str, cluster: bool | None) -> tuple[str, bool]:
-    """The URL redis-py takes and whether to open a cluster client (a scheme of
-    ``CLUSTER_SCHEMES`` asks for one; ``cluster`` forces the choice either way)."""
-    scheme, sep, rest = url.partition("://")
-    if sep and scheme.lower() in CLUSTER_SCHEMES:
-        if cluster is False:
-            raise InvalidRequest(f"{scheme}:// asks for a cluster client, but cluster=False was passed")
-        return f"{CLUSTER_SCHEMES[scheme.lower()]}://{rest}", True
-    if cluster and scheme.lower() == "unix":
-        raise InvalidRequest("a Redis Cluster is reached over TCP (redis:// or rediss://), not a unix socket")
-    if not sep or scheme.lower() not in ("redis", "rediss", "unix"):
-        raise InvalidRequest(f"not a Redis URL: {url!r} (use redis://, rediss://, unix://, or redis+cluster://)")
-    return url, bool(cluster)
-
-
-def _client(url: str, max_connections: int | None, cluster: bool | None = None) -> Any:
-    try:
-        return _new_client(url, max_connections, cluster)
-    except InvalidRequest:
-        raise
-    except ValueError as exc:  # redis-py's own word on the URL: a port out of range, a bad option
-        raise InvalidRequest(f"not a usable Redis URL: {exc}") from None
-
-
-def _new_client(url: str, max_connections: int | None, cluster: bool | None) -> Any:
-    url, cluster = _cluster_url(url, cluster)
-    options: dict[str, Any] = {"socket_timeout": None}
-    if not url.startswith("unix:"):
-        options["socket_keepalive"] = True  # TCP only: finds dead peers without a socket timeout
-    if cluster:
-        options["max_connections"] = max_connections or CLUSTER_MAX_CONNECTIONS
-        return ClusterClient.from_url(url, **options)
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=max_connections or 64, timeout=None, **options)
-    return aioredis.Redis.from_pool(pool)  # the client owns the pool and closes it
-
-def _blocking_client(redis: Any) -> Any:
-    """On one server, a client whose connections are each held by one task, made as they are
-    needed: every blocked reader holds one for as long as it blocks, and each of the batcher's
-    senders keeps one (``wire.Line``). Taken from the bus's pool, they would leave it short: a
-    process with more readers than the pool has connections (a forwarder serving many agents,
-    many requesters or served agents in one process), or a pool of one or two, would leave every
-    other command waiting for one. None where the bus's client serves them too: a cluster client
-    (a pool of 512 per node) or fakeredis."""
-    if is_cluster(redis) or type(redis).__module__.startswith("fakeredis"):
-        return None
-    pool = redis.connection_pool
-    # no cap: one connection per blocked reader (redis-py's default of 100 would leave the
-    # readers past it polling on "Too many connections")
-    return aioredis.Redis.from_pool(aioredis.ConnectionPool(
-        connection_class=pool.connection_class, **{**pool.connection_kwargs, "max_connections": 2**31}))
 
 
 log = logging.getLogger("handoffbus")
@@ -188,8 +128,8 @@ class HandoffBus:
         not be cut off (TCP keepalive finds dead peers). A ``socket_timeout`` in the URL
         still applies.
         """
-        bus = cls(_client(url, max_connections, cluster), owns_client=True, **settings)
-        if cluster is None and not _cluster_url(url, None)[1]:
+        bus = cls(make_client(url, max_connections, cluster), owns_client=True, **settings)
+        if cluster is None and not cluster_url(url, None)[1]:
             bus._connect_args = (url, max_connections)  # a cluster found at open is taken
         return bus
 
@@ -237,11 +177,11 @@ class HandoffBus:
         try:
             if self._server is not None:
                 await stack.enter_async_context(self._server)
-                self._redis = _client(self._server.url, None)
+                self._redis = make_client(self._server.url, None)
             if self._owns_client:
                 stack.push_async_callback(self._close_client)
             await self._check_server()
-            self._blocking = _blocking_client(self.redis)
+            self._blocking = blocking_client(self.redis)
             stack.push_async_callback(self._close_blocking)  # after the task group: its readers end first
             reload = None
             if self._outbox is not None:
@@ -293,7 +233,7 @@ class HandoffBus:
 
     @property
     def blocking_redis(self) -> Any:
-        """The client for blocking reads (XREAD BLOCK, XREADGROUP BLOCK): see _blocking_client."""
+        """The client for blocking reads (XREAD BLOCK, XREADGROUP BLOCK): see connections.blocking_client."""
         redis = self.redis  # refused once the bus is closed, like the main client
         return redis if self._blocking is None else self._blocking
 
@@ -359,7 +299,7 @@ class HandoffBus:
                 "the server is a Redis Cluster node: pass a redis.asyncio.cluster.RedisCluster client, "
                 "or connect with cluster=True (or a redis+cluster:// URL)")
         url, max_connections = self._connect_args
-        cluster = _client(url, max_connections, cluster=True)
+        cluster = make_client(url, max_connections, cluster=True)
         await self._release_client()  # the plain client closes, not the bus
         self._redis = cluster
         await self._check_server()
