@@ -172,6 +172,66 @@ async def test_a_handoff_waiting_for_a_lane_is_kept_fresh_by_the_heartbeat(real_
     assert worker._entries == {}
 
 
+async def test_a_stop_hands_back_what_waited_for_a_lane_and_keeps_what_was_accepted(real_bus: HandoffBus) -> None:
+    # a reclaim started more than the concurrency and the worker stopped: the handoff that never
+    # reached a lane goes back to the queue at once (no reclaim wait), the one accepted stays
+    # pending, and one cancelled meanwhile is settled, not queued again
+    started = anyio.Event()
+
+    class Slow(Echo):
+        async def on_handoff_received(self, handoff: Any) -> Any:
+            started.set()
+            await anyio.sleep_forever()
+
+    client = real_bus.client("a")
+    running, waiting, cancelled = [await client.request_handoff(req("a", Slow.agent_id)) for _ in range(3)]
+    worker = Worker(real_bus, Slow(), consumer="w1", concurrency=1)
+    _, taken = await worker._inbox.take(3)
+    loaded = await worker._inbox.load([d.handoff_id for d in taken])
+    await cancelled.cancel()
+    async with anyio.create_task_group() as tg:
+        lanes = Lanes(tg, 1)
+        worker._start(lanes, taken, loaded)
+        with anyio.fail_after(10):
+            await started.wait()
+        tg.cancel_scope.cancel()
+    await worker._wind_down(lanes)
+    keys = real_bus.keys.target(Slow.agent_id)
+    assert await real_bus.redis.zrange(keys.queue, 0, -1) == [waiting.handoff_id.encode()]
+    assert await real_bus.redis.hkeys(keys.inflight) == [running.handoff_id.encode()]
+    pending = await real_bus.redis.xpending_range(keys.inbox, GROUP, min="-", max="+", count=10)
+    assert [p["consumer"] for p in pending] == [b"w1"]  # the accepted one's, to be reclaimed
+    assert [(await h.status()).status for h in (running, waiting, cancelled)] == [  # type: ignore[union-attr]
+        HandoffStatus.ACCEPTED, HandoffStatus.PENDING, HandoffStatus.CANCELLED]
+    assert worker._entries == {} and worker._active == 0
+
+
+async def test_a_stop_hands_back_what_was_taken_but_could_not_be_loaded(real_bus: HandoffBus) -> None:
+    # the take went through, the load failed, and the worker was told to stop while it backed
+    # off: the handoff goes back to the queue now, not after the reclaim time
+    handle = await real_bus.client("a").request_handoff(req("a", Echo.agent_id))
+    worker = Worker(real_bus, Echo(), consumer="w1")
+    load, failed = worker._inbox.load, anyio.Event()
+
+    async def load_fails_once(handoff_ids: Any) -> Any:
+        if not failed.is_set():
+            failed.set()
+            raise RedisConnectionError("connection lost")
+        return await load(handoff_ids)
+
+    worker._inbox.load = load_fails_once  # type: ignore[method-assign]
+    async with anyio.create_task_group() as tg:
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            await failed.wait()
+        worker.drain()
+    keys = real_bus.keys.target(Echo.agent_id)
+    assert await real_bus.redis.zrange(keys.queue, 0, -1) == [handle.handoff_id.encode()]
+    assert (await real_bus.redis.xpending(keys.inbox, GROUP))["pending"] == 0
+    assert await real_bus.redis.hlen(keys.inflight) == 0
+    assert (await handle.status()).status is HandoffStatus.PENDING  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize("step", ["take over", "dead-letter"])
 async def test_a_stop_in_the_middle_of_a_takeover_or_dead_lettering_leaves_the_handoff_pending(
         real_bus: HandoffBus, step: str) -> None:

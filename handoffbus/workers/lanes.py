@@ -58,6 +58,13 @@ class Lanes:
             self._lanes += 1
             self._group.start_soon(self._lane, name="handoffbus lane")
 
+    def unstarted(self) -> list[tuple[Any, ...]]:
+        """The arguments of what was submitted but never started (its lanes stopped first),
+        oldest first; they are no longer queued."""
+        jobs = [args for _, _, args in self._jobs]
+        self._jobs.clear()
+        return jobs
+
     async def _lane(self) -> None:
         loop = asyncio.get_running_loop()
         while True:

@@ -121,6 +121,8 @@ class Worker:
         self._idle = False
         self._settle_wanted = anyio.Event()
         self._give_back: list[tuple[str, int]] = []  # stopped before accepting: back to the queue
+        #: taken, but their load failed: loaded and started first (or, stopping, handed back)
+        self._carried: list[Delivery] = []
         self._active = 0
         self._changed = anyio.Event()  # a handler finished, or drain was asked for
         self._draining = False
@@ -151,6 +153,7 @@ class Worker:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Serve until ``drain()`` (or cancellation); returns when drained."""
+        lanes: Lanes | None = None
         try:
             with anyio.CancelScope() as self._stop_scope:
                 await self._join()
@@ -167,14 +170,21 @@ class Worker:
                             await self._wait_change()
                     handlers.cancel_scope.cancel()  # what did not finish stays pending: not lost
         finally:
-            # shielded, and each step bounded: a server that stopped answering must not keep a
-            # stopping worker forever (what is not handed back stays pending, to be reclaimed;
-            # a registry entry not removed ages out by its TTL)
-            await self._settle_done()
-            with anyio.move_on_after(SETTLE_WAIT, shield=True):
-                await self._hand_back()
-            with anyio.move_on_after(REGISTER_WAIT, shield=True):
-                await self._leave()
+            await self._wind_down(lanes)
+
+    async def _wind_down(self, lanes: Lanes | None) -> None:
+        """Settle what finished, hand back to the queue what was taken but never decided, and
+        leave the registry. Shielded, and each step bounded: a server that stopped answering
+        must not keep a stopping worker forever (what is not handed back stays pending, to be
+        reclaimed; a registry entry not removed ages out by its TTL)."""
+        if lanes is not None:
+            self._unstarted(lanes)
+        await self._settle_done()
+        with anyio.move_on_after(SETTLE_WAIT, shield=True):
+            await self._hand_back_carried()
+            await self._hand_back()
+        with anyio.move_on_after(REGISTER_WAIT, shield=True):
+            await self._leave()
 
     async def serve_until_signalled(self) -> None:
         """``run()`` with SIGTERM/SIGINT handling: the first drains, the second stops at once."""
@@ -212,6 +222,40 @@ class Worker:
                 self._done = done + self._done
         if scope.cancelled_caught:
             self._done = done + self._done  # not answered in time: the next settle tries again
+
+    def _unstarted(self, lanes: Lanes) -> None:
+        """Sort out the handoffs that waited for a lane when the handlers stopped (a reclaim can
+        start more than the concurrency): nothing was sent for them, so a PENDING one goes back
+        to the queue and an ended one is settled, as ``_handle`` would; what it would work on or
+        dead-letter stays pending, to be reclaimed."""
+        for delivery, row, _deliveries, reclaimed in lanes.unstarted():
+            self._active -= 1
+            self._entries.pop(delivery.handoff_id, None)
+            self._after_unstarted(delivery.handoff_id, row, reclaimed)
+
+    def _after_unstarted(self, hid: str, row: Loaded | None, reclaimed: bool) -> None:
+        if row is None or row.status in TERMINAL or (row.status is HandoffStatus.ACCEPTED and not reclaimed):
+            self._done.append(hid)  # what _handle settles without a step
+        elif row.status is HandoffStatus.PENDING and row.request is not None and row.error is None:
+            self._give_back.append((hid, row.request.priority))
+
+    async def _hand_back_carried(self) -> None:
+        """Load what the fetch loop still carried (taken, its load failed) and sort it out as
+        ``_unstarted`` does; if the load fails again, it stays pending, to be reclaimed."""
+        if not self._carried:
+            return
+        carried = self._carried
+        try:
+            loaded = await self._inbox.load([d.handoff_id for d in carried])
+        except (RedisError, OSError, HandoffbusError) as exc:  # the bus closing too
+            self._log.warning("%s: could not load %d handoffs to hand back (%s); they stay in this worker's "
+                              "pending entries, to be reclaimed", self.consumer, len(carried), exc)
+            return
+        self._carried = []
+        for delivery, row in zip(carried, loaded, strict=True):
+            self._entries.pop(delivery.handoff_id, None)
+            self._after_unstarted(delivery.handoff_id, row, False)
+        await self._settle_done()
 
     async def _hand_back(self) -> None:
         """Re-queue handoffs stopped while their acceptance hook ran: others take them now."""
@@ -308,7 +352,6 @@ class Worker:
 
     async def _fetch_loop(self, lanes: Lanes) -> None:
         backoff = Backoff()
-        carried: list[Delivery] = []  # taken, but their load failed: loaded and started first
         while not self._draining:
             free = self.concurrency - self._active
             if free <= 0:
@@ -320,8 +363,8 @@ class Worker:
             done: list[str] = []
             taken: list[Delivery] = []
             try:
-                if carried:
-                    taken, carried = carried, []
+                if self._carried:
+                    taken, self._carried = self._carried, []
                     loaded = await self._inbox.load([d.handoff_id for d in taken])
                     self._start(lanes, taken, loaded)
                     continue
@@ -344,8 +387,8 @@ class Worker:
                 if not isinstance(exc, CallRefused):  # an answer (isolated: a pull not granted)
                     self._keeper.lost_contact()
                 self._done = done + self._done  # settle them next time
-                carried = taken  # delivered to this consumer already: not left for a reclaim
-                for delivery in carried:  # held: kept fresh by the heartbeat, and not reclaimed by this worker
+                self._carried = taken  # delivered to this consumer already: not left for a reclaim
+                for delivery in taken:  # held: kept fresh by the heartbeat, and not reclaimed by this worker
                     self._entries[delivery.handoff_id] = delivery.entry_id
                 # connection lost, server restarting, or a failover's UNBLOCKED/READONLY/LOADING; or,
                 # isolated, the forwarder refused a call (a pull from a set it was not granted)
