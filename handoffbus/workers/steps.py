@@ -17,7 +17,7 @@ import msgspec
 
 from .. import tracing
 from ..backoff import LOST_CONNECTION, Backoff
-from ..client import rejection_fields
+from ..checks import rejection_fields
 from ..errors import EncodeError, InvalidRequest, LeaseLost, PayloadTooLarge, raise_for_code
 from ..logs import AgentLog
 from ..models import HandoffRequest, HandoffResponse, HandoffStatus
