@@ -86,6 +86,9 @@ class ScriptBatcher:
             raise HandoffbusError("the bus is closed")
         group = Group(len(calls))
         queued = [ScriptCall(script, keys, args, group) for script, keys, args in calls]
+        guard = self._cluster is not None  # a cluster call declares its guard key (wire.guard_key)
+        for call in queued:
+            call.pack(guard)  # EncodeError: nothing of the group is sent, no one else's call is touched
         self._queue.extend(queued)
         self._wake.set()
         await group.wait()

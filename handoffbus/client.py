@@ -94,8 +94,9 @@ class HandoffClient:
         step waits for the record's answer, so that a conflicting or decided handoff is never
         queued again.
         """
-        resubmittable = bool(request.request_id)  # the caller's own id; a new one is generated
-        request = self._normalize(request)
+        given = request
+        request = self._normalize(request)  # checked first: anything but a HandoffRequest is refused
+        resubmittable = bool(given.request_id)  # the caller's own id; a new one is generated
         if not request.to_agent and fail_fast and self._bus.isolated is not None:
             raise InvalidRequest("fail_fast needs the live agents, which an isolated agent cannot read")
         handoff_id = join_handoff_id(self.agent_id, request.request_id)

@@ -21,6 +21,7 @@ from redis.crc import key_slot
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .errors import EncodeError
 from .scripts import Script
 
 __all__ = ["Group", "Line", "ScriptCall", "exchange", "guard_key", "no_script", "pack_call", "pack_evalsha"]
@@ -76,7 +77,8 @@ class Group:
 
 
 class ScriptCall:
-    __slots__ = ("args", "asked", "error", "finished", "group", "keys", "parked", "result", "script", "tries")
+    __slots__ = ("args", "asked", "error", "finished", "group", "keys", "packed", "parked", "result", "script",
+                 "tries")
 
     def __init__(self, script: Script, keys: list[str], args: list[Any], group: Group) -> None:
         self.script = script
@@ -91,6 +93,18 @@ class ScriptCall:
         self.asked: Any = None
         self.tries = 0
         self.parked: float | None = None
+        #: its RESP, packed when it is queued (see ``pack``); None until then
+        self.packed: bytes | None = None
+
+    def pack(self, guard: bool = False) -> None:
+        """Pack the call now, so that an argument that cannot be sent fails this call alone, as
+        ``EncodeError``, before it joins anyone's batch (text that is not UTF-8, e.g. a str
+        holding a lone surrogate as ``os.fsdecode`` makes; ``TypeError`` for a type no command
+        takes, a bug of the caller)."""
+        try:
+            self.packed = pack_call(self, guard)
+        except UnicodeEncodeError as exc:
+            raise EncodeError(f"cannot send {self.script.name}: text that is not valid UTF-8 ({exc})") from None
 
     @property
     def slot(self) -> int:
@@ -126,9 +140,9 @@ async def exchange(
     ``asking`` goes right after an ASKING, which applies to the next command only. Each reply
     is awaited ``reply_wait`` seconds at most, or the connection's socket timeout if shorter."""
     if asking is None:
-        data = b"".join(pack_call(call) for call in calls)
+        data = b"".join(call.packed or pack_call(call) for call in calls)
     else:  # a cluster node
-        data = b"".join((_ASKING if ask else b"") + pack_call(call, guard=True)
+        data = b"".join((_ASKING if ask else b"") + (call.packed or pack_call(call, guard=True))
                         for call, ask in zip(calls, asking, strict=True))
     # a script never blocks: the connection's socket timeout, if its URL set one, bounds each reply
     waits = [w for w in (reply_wait, getattr(conn, "socket_timeout", None)) if w]

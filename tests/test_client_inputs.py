@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
 
+import anyio
 import pytest
 
-from handoffbus import HandoffBus, HandoffNotFound, HandoffStatus, InvalidName, InvalidRequest
+from handoffbus import EncodeError, HandoffBus, HandoffNotFound, HandoffStatus, InvalidName, InvalidRequest
 
 from .helpers import req
 
@@ -64,3 +68,39 @@ async def test_an_undecodable_queued_record_is_left_out_and_the_rest_listed(
     assert [p.request.reason for p in listed] == ["good 0", "good 1"]
     assert any(bad.handoff_id in r.getMessage() and "cannot be decoded" in r.getMessage()
                for r in caplog.records if r.levelno == logging.WARNING)
+
+
+#: what ``os.fsdecode`` makes of a file name whose bytes are not UTF-8: a str with a lone surrogate
+NOT_UTF8 = "cannot read " + os.fsdecode(b"/data/\xff.txt")
+
+
+async def test_text_that_is_not_utf8_fails_its_own_call_alone(bus: HandoffBus) -> None:
+    # such text cannot be sent: its call is refused as EncodeError before anything is written,
+    # and a call another task made at the same moment (one batch) goes through unharmed
+    alice, bob = bus.client("alice"), bus.client("bob")
+    first, second, third = [await alice.request_handoff(req("alice", "bob")) for _ in range(3)]
+    await bob.accept_handoff(first.handoff_id)
+    results: dict[str, Any] = {}
+
+    async def run(name: str, call: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            results[name] = await call()
+        except Exception as exc:
+            results[name] = exc
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, "fail", lambda: bob.fail_handoff(first.handoff_id, NOT_UTF8))
+        tg.start_soon(run, "accept", lambda: bob.accept_handoff(second.handoff_id))
+    assert isinstance(results["fail"], EncodeError), results["fail"]
+    assert results["accept"].status is HandoffStatus.ACCEPTED, results["accept"]
+    with pytest.raises(EncodeError):
+        await alice.cancel_handoff(third.handoff_id, reason=NOT_UTF8)
+    with pytest.raises(EncodeError):
+        await bob.reject_handoff(third.handoff_id, NOT_UTF8)
+    statuses = [(await h.status()).status for h in (first, second, third)]  # type: ignore[union-attr]
+    assert statuses == [HandoffStatus.ACCEPTED, HandoffStatus.ACCEPTED, HandoffStatus.PENDING]
+
+
+async def test_request_handoff_refuses_what_is_not_a_request_with_a_typed_error(bus: HandoffBus) -> None:
+    with pytest.raises(InvalidRequest, match="expected HandoffRequest, got dict"):
+        await bus.client("alice").request_handoff({"from_agent": "alice", "to_agent": "bob"})  # type: ignore[arg-type]

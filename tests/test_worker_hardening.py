@@ -6,6 +6,7 @@ that met it, nor strands a handoff."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import anyio
@@ -19,7 +20,7 @@ from handoffbus.keys import GROUP
 from handoffbus.policies.policy import RESOLUTION_KEY
 from handoffbus.policies.scenario import HandoffResolution
 from handoffbus.routing import Reroute, set_id
-from handoffbus.workers import Accept, ReceivedHandoff, RetryPolicy
+from handoffbus.workers import Accept, ReceivedHandoff, Reject, RetryPolicy
 from handoffbus.workers.inbox import Inbox
 
 from .agents import Echo
@@ -316,6 +317,39 @@ async def test_a_requesters_member_that_is_not_text_stops_no_sweep(
         await bus.sweeper.sweep_once()
     assert await bus.redis.zcard(bus.keys.target("nobody-1").queue) == 0
     assert len([r for r in caplog.records if "not an agent id" in r.getMessage()]) == 1  # once
+
+
+#: what ``os.fsdecode`` makes of a file name whose bytes are not UTF-8: a str with a lone surrogate
+NOT_UTF8 = "cannot read " + os.fsdecode(b"/data/\xff.txt")
+
+
+class FailsWithAPath(Echo):
+    agent_id = "files-1"
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        raise RuntimeError(NOT_UTF8)
+
+
+class RefusesWithAPath(Echo):
+    agent_id = "files-2"
+
+    async def on_handoff_request(self, request: HandoffRequest) -> Reject:
+        return Reject(reason=NOT_UTF8)
+
+
+async def test_a_hooks_text_that_is_not_utf8_still_reaches_the_requester(bus: HandoffBus) -> None:
+    # an error (or a refusal) naming a file as the OS gave it back: sent as it was, the call
+    # could not be encoded, the handoff stayed ACCEPTED (or PENDING) and was delivered again
+    # until it was dead-lettered; the requester never heard. The surrogate is sent escaped.
+    client = bus.client("req")
+    failed = await client.request_handoff(req("req", FailsWithAPath.agent_id))
+    refused = await client.request_handoff(req("req", RefusesWithAPath.agent_id))
+    async with serving(bus, FailsWithAPath(), RefusesWithAPath()):
+        with anyio.fail_after(10):
+            outcomes = [await failed.outcome(), await refused.outcome()]
+    assert [o.status for o in outcomes] == [HandoffStatus.FAILED, HandoffStatus.REJECTED]
+    assert outcomes[0].error == "RuntimeError: cannot read /data/\\udcff.txt"
+    assert outcomes[1].rejection_reason == "cannot read /data/\\udcff.txt"
 
 
 # ---------------------------------------------------------------- what a handler reads

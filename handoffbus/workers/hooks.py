@@ -13,7 +13,7 @@ import anyio
 from ..errors import HandoffbusError
 from .agent import is_inline
 
-__all__ = ["HookCancelled", "call_hook", "describe"]
+__all__ = ["HookCancelled", "call_hook", "describe", "sendable"]
 
 
 def describe(exc: BaseException) -> str:
@@ -22,10 +22,21 @@ def describe(exc: BaseException) -> str:
     name = type(exc).__name__
     for show in (str, repr):
         try:
-            return f"{name}: {show(exc)}"
+            return sendable(f"{name}: {show(exc)}")
         except Exception:  # e.g. a __str__ reading an attribute its __init__ never set
             continue
     return name
+
+
+def sendable(text: str) -> str:
+    """``text`` as the record can hold it: UTF-8. A lone surrogate (what ``os.fsdecode`` makes
+    of a file name's bytes that are not UTF-8) becomes its escape, ``\\udcff``, so that a
+    hook's error or refusal still reaches the requester."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode()
+    return text
 
 
 

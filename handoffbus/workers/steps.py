@@ -24,7 +24,7 @@ from ..models import HandoffRequest, HandoffResponse, HandoffStatus
 from ..names import split_handoff_id
 from ..policies.blobs import has_blobs, restore
 from .agent import Accept, Agent, ReceivedHandoff, Reject
-from .hooks import call_hook, describe
+from .hooks import call_hook, describe, sendable
 from .keeper import Keeper
 
 if TYPE_CHECKING:
@@ -80,6 +80,8 @@ class Steps:
                 rejection_fields(decision.reason, decision.code, decision.retry_after_ms, decision.redirect_to)
             except InvalidRequest as exc:
                 return Reject(reason=f"acceptance hook returned an invalid Reject: {exc}", code="HOOK_FAILED")
+            refusal: Reject = msgspec.structs.replace(decision, reason=sendable(decision.reason))
+            return refusal
         return decision
 
     async def act(
@@ -92,7 +94,7 @@ class Steps:
             except (EncodeError, PayloadTooLarge) as exc:  # the same on every run: refused, not retried
                 self._log.error("%s: acceptance hook for %s returned metadata that cannot be sent: %s",
                                 self.consumer, hid, exc, extra={"handoff_id": hid})
-                decision = Reject(reason=f"acceptance hook returned metadata that cannot be sent: {exc}",
+                decision = Reject(reason=sendable(f"acceptance hook returned metadata that cannot be sent: {exc}"),
                                   code="HOOK_FAILED")
         if isinstance(decision, Reject):
             fields = rejection_fields(decision.reason, decision.code, decision.retry_after_ms, decision.redirect_to)
@@ -141,7 +143,7 @@ class Steps:
             self._log.error("%s: the result of %s cannot be sent: %s", self.consumer, hid, exc,
                             extra={"handoff_id": hid})
             with tracing.settle_span(self._inbox_key, hid, "FAILED"):
-                await self.send("fail", hid, {"error": f"result cannot be sent: {type(exc).__name__}: {exc}",
+                await self.send("fail", hid, {"error": f"result cannot be sent: {describe(exc)}",
                                                "lease": self.consumer}, created_ms)
             return HandoffStatus.FAILED
         with tracing.settle_span(self._inbox_key, hid, "COMPLETED"):
