@@ -34,6 +34,9 @@ class HandoffHandle:
         # whether the waiter is in step with the record: a request's handle read it when made;
         # one taken anew, or whose read failed or was cancelled, reads it before it waits
         self._synced = holding
+        # the waiter's unread responses when this handle last read the record: another since
+        # means the record has news the stream could not give
+        self._unread = waiter.unread
         self.handoff_id = waiter.handoff_id
         self.request_id = split_handoff_id(waiter.handoff_id)[1]
 
@@ -61,6 +64,7 @@ class HandoffHandle:
         """Read the record into the waiter, unless Redis is out of reach: then the waiter
         stays out of step, and the caller waits a backoff before the next try (the response
         reader rides out the outage too, and a response it reads meanwhile ends the wait)."""
+        unread = self._waiter.unread
         try:
             await self._reread()
         except LOST_CONNECTION as exc:
@@ -68,7 +72,7 @@ class HandoffHandle:
                 raise
             self._synced = False
             return
-        self._synced = True
+        self._synced, self._unread = True, unread
         backoff.reset()
 
     async def decision(self) -> HandoffResponse:
@@ -97,6 +101,8 @@ class HandoffHandle:
         backoff = Backoff(cap=2.0)
         while self._known(outcome) is None:
             waiter = self._held()
+            if waiter.unread != self._unread:
+                self._synced = False
             if not self._synced:
                 await self._sync(backoff)
             if self._known(outcome) is not None:

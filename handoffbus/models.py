@@ -128,6 +128,9 @@ class HandoffRecord(msgspec.Struct, frozen=True, kw_only=True):
     lease: str | None = None
     #: a capability-routed handoff's way through the agents, oldest first (empty if direct)
     route: tuple[RouteStep, ...] = ()
+    #: what the accepting agent sent with its acceptance (``Accept.metadata``), kept after the
+    #: later transitions replaced ``response``
+    accepted_metadata: dict[str, Any] = {}
 
     @property
     def terminal(self) -> bool:

@@ -66,7 +66,7 @@ def response_from_fields(
             timestamp_ms=int(f.get(b"ts") or 0),
         )
     except (KeyError, ValueError) as exc:
-        if isinstance(exc, DecodeError):
+        if isinstance(exc, HandoffbusError):  # DecodeError, PayloadTooLarge: typed already
             raise
         raise DecodeError(f"malformed response for {handoff_id!r}: {exc!r}") from None
 
@@ -115,6 +115,7 @@ def _record_from_hash(f: Mapping[bytes, bytes], codec: PayloadCodec, keyring: Ke
         attempt=int(f.get(b"attempt", 1)),
         lease=f[b"lease"].decode() if b"lease" in f else None,
         route=route,
+        accepted_metadata=_metadata(handoff_id, f.get(b"ameta"), codec),
     )
 
 

@@ -52,7 +52,7 @@ class Waiter:
     reaches the future as any await."""
 
     __slots__ = ("_on_decision", "_on_outcome", "deadline_at", "decision", "handoff_id", "heard", "holders", "outcome",
-                 "since")
+                 "since", "unread")
 
     def __init__(self, handoff_id: str) -> None:
         self.handoff_id = handoff_id
@@ -69,6 +69,8 @@ class Waiter:
         self.since: tuple[int, int] | None = None
         #: the response stream entry it last heard from
         self.heard: tuple[int, int] | None = None
+        #: responses for it the reader could not read (see ``nudge``)
+        self.unread = 0
 
     async def wait_decided(self, limit: float) -> None:
         """Until the decision is known, or for ``limit`` seconds at most."""
@@ -82,6 +84,13 @@ class Waiter:
 
     def set_deadline(self, now_ms: int, deadline_ms: int) -> None:
         self.deadline_at = clock() + max(deadline_ms - now_ms, 0) / 1000
+
+    def nudge(self) -> None:
+        """A response for it reached the stream but could not be read: every handle reads the
+        record before it waits again (the waiting ones now)."""
+        self.unread += 1
+        _wake(self._on_decision)
+        _wake(self._on_outcome)
 
     def feed(self, response: HandoffResponse) -> None:
         if self.decision is None:
@@ -107,7 +116,7 @@ class Waiter:
             if accepted is not None:
                 self.feed(msgspec.structs.replace(
                     record.response, status=HandoffStatus.ACCEPTED, actor=accepted.actor,
-                    result=None, error=None, metadata={}, timestamp_ms=accepted.at_ms,
+                    result=None, error=None, metadata=record.accepted_metadata, timestamp_ms=accepted.at_ms,
                 ))
         self.feed(record.response)
 
@@ -211,8 +220,13 @@ class ResponseReader:
         if waiter.since is not None and position <= waiter.since:
             return
         waiter.heard = position
-        # with a keyring a response without its actor's signature raises here: it is logged and not believed
-        waiter.feed(response_from_fields(handoff_id, fields, self._bus.codec, self._bus.keyring))
+        try:
+            # with a keyring a response without its actor's signature raises here: it is logged and not believed
+            response = response_from_fields(handoff_id, fields, self._bus.codec, self._bus.keyring)
+        except HandoffbusError:
+            waiter.nudge()  # its handles read the record now: it says what this entry could not (or raises)
+            raise
+        waiter.feed(response)
         if waiter.outcome is not None:
             self.forget(waiter)
 

@@ -8,7 +8,7 @@ import anyio
 import pytest
 import redis.asyncio as aioredis
 
-from handoffbus import HandoffBus, HandoffNotFound, HandoffResponse, HandoffStatus
+from handoffbus import HandoffBus, HandoffNotFound, HandoffResponse, HandoffStatus, PayloadTooLarge
 
 from .conftest import SERVER_BINARIES, Servers, make_bus, new_prefix
 from .helpers import req
@@ -544,3 +544,38 @@ async def test_a_reader_with_nothing_to_wait_for_retires(backend: str, servers: 
         with anyio.fail_after(5):
             assert (await second.decision()).status is HandoffStatus.ACCEPTED
         assert bus._readers["alice"] is not retired
+
+
+@pytest.mark.parametrize("server", list(SERVER_BINARIES))
+async def test_a_handle_attached_later_hears_the_acceptances_metadata(server: str, servers: Servers) -> None:
+    # what the accepting agent told the requester must not depend on whether the handle heard
+    # it live or was attached from another process after the work completed
+    async with make_bus(server, servers) as bus, make_bus(server, servers, prefix=bus.config.prefix) as other:
+        handle = await bus.client("alice").request_handoff(req("alice", "bob", request_id="r1"))
+        bob = bus.client("bob")
+        await bob.accept_handoff(handle.handoff_id, metadata={"eta_s": 30})
+        await bob.complete_handoff(handle.handoff_id, result="done", metadata={"took_s": 2})
+        with anyio.fail_after(5):
+            live = await handle.decision()
+            attached = await other.client("alice").handle(handle.handoff_id).decision()
+            outcome = await other.client("alice").handle(handle.handoff_id).outcome()
+        assert live.metadata == attached.metadata == {"eta_s": 30}
+        assert attached.status is HandoffStatus.ACCEPTED and outcome.metadata == {"took_s": 2}
+        record = await handle.status()
+        assert record is not None and record.accepted_metadata == {"eta_s": 30}
+
+
+@pytest.mark.parametrize("server", list(SERVER_BINARIES))
+async def test_a_response_the_reader_cannot_decode_fails_the_wait_at_once(server: str, servers: Servers) -> None:
+    # the worker's bus allows larger payloads than the requester's: the reader cannot decode the
+    # COMPLETED entry. Its handle reads the record at once and raises the typed error, rather
+    # than at the safety refresh (30 s)
+    async with make_bus(server, servers, payload_limit=10_000) as small, \
+            make_bus(server, servers, prefix=small.config.prefix) as large:
+        handle = await small.client("alice").request_handoff(req("alice", "bob"))
+        bob = large.client("bob")
+        await bob.accept_handoff(handle.handoff_id)
+        assert (await handle.decision()).status is HandoffStatus.ACCEPTED  # the reader is past it
+        await bob.complete_handoff(handle.handoff_id, result=b"x" * 50_000)
+        with anyio.fail_after(5), pytest.raises(PayloadTooLarge):
+            await handle.outcome()

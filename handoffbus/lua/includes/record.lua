@@ -142,11 +142,12 @@ local function run_transition(status, from, who)
   local retention_ms, response_retention_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
   -- the fields a transition may write: any other name (status, id, to, fp, hist...) would let
   -- an agent rewrite the record, or send a response in another handoff's name
-  local extra, lease = {}, ''
+  local extra, lease, rmeta = {}, '', nil
   for i = 6, #ARGV, 2 do
     local name = ARGV[i]
     if not WRITABLE[name] then return {-9, name} end
     if name == 'lease' then lease = ARGV[i + 1] end
+    if name == 'rmeta' then rmeta = ARGV[i + 1] end
     extra[#extra + 1] = name
     extra[#extra + 1] = ARGV[i + 1]
   end
@@ -189,6 +190,10 @@ local function run_transition(status, from, who)
     extra[#extra + 1] = actor
     extra[#extra + 1] = 'attempt'
     extra[#extra + 1] = '1'
+    if rmeta then  -- kept past the next transitions: a handle attached later hears the decision whole
+      extra[#extra + 1] = 'ameta'
+      extra[#extra + 1] = rmeta
+    end
   end
   return transition(KEYS, rec, request_id, status, actor, now, extra, retention_ms, response_retention_ms, {1, to})
 end
