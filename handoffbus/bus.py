@@ -27,6 +27,7 @@ from .names import split_handoff_id
 from .plainreads import load_rows, refuses_scripts, server_time_ms, status_reply
 from .policies import HandoffPolicy
 from .records import Loaded, loaded_from_row, poison_row, record_from_hash
+from .registered import Registered
 from .routing import Router
 from .scripts import INLINE_ENVELOPE, Script, Scripts
 from .signing import Keyring
@@ -93,8 +94,8 @@ class HandoffBus:
         self._stack: contextlib.AsyncExitStack | None = None
         self._readers: dict[str, ResponseReader] = {}
         self.router = Router(self)
-        self._known_requesters: set[str] = set()
-        self._known_targets: set[str] = set()
+        self._known_requesters = Registered()
+        self._known_targets = Registered()
         #: set while the server refuses this bus's user its scripts (a read-only user, such as
         #: acl.py's monitor): records are read with plain commands, and the scripts are tried
         #: again from ``_scripts_again_at`` (clock time) on
@@ -359,7 +360,7 @@ class HandoffBus:
             reader = self._readers[agent] = ResponseReader(self, agent, refresh)
         return reader
 
-    async def _register(self, known: set[str], key: str, agent: str) -> None:
+    async def _register(self, known: Registered, key: str, agent: str) -> None:
         if agent in known or self._outbox is not None:  # the forwarder registers isolated agents
             return
         known.add(agent)  # before awaiting, so a burst of first requests sends one SADD
@@ -520,8 +521,8 @@ class HandoffBus:
                 batch = []
         if batch:
             deleted += await self._unlink(batch)
-        self._known_requesters.clear()
-        self._known_targets.clear()
+        for known in (self._known_requesters, self._known_targets, self.router.known):
+            known.clear()  # written again at their next use
         return deleted
 
     async def _unlink(self, keys: list[bytes]) -> int:

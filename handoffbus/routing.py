@@ -29,6 +29,7 @@ from .errors import raise_for_code
 from .models import AgentInfo, HandoffResponse, HandoffStatus, WorkerInfo
 from .names import check_names, split_handoff_id
 from .records import response_from_reply
+from .registered import Registered
 
 if TYPE_CHECKING:
     from .bus import HandoffBus
@@ -187,14 +188,15 @@ class Router:
     def __init__(self, bus: HandoffBus) -> None:
         self._bus = bus
         self.directory = Directory(bus)
-        self._known: set[str] = set()
+        #: the sets this process has written to the routes registry (see registered.py)
+        self.known = Registered()
 
     async def register_set(self, canonical: str) -> str:
-        """Make the set known to workers (once per process); returns its id."""
+        """Make the set known to workers (written once in a while, see registered.py); returns its id."""
         sid = set_id(canonical)
-        if sid not in self._known:
+        if sid not in self.known:
             await self._bus.redis.hset(self._bus.keys.routes, sid, canonical)
-            self._known.add(sid)
+            self.known.add(sid)
         return sid
 
     def route_call(self, canonical: str, handoff_id: str, priority: int, deadline_ms: int | str,

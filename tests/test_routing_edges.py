@@ -11,9 +11,11 @@ from typing import Any
 
 import anyio
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 
 from handoffbus import HandoffBus, HandoffExpired, HandoffRequest, HandoffStatus
+from handoffbus.client import HandoffClient
 from handoffbus.keys import GROUP
 from handoffbus.routing import set_id
 from handoffbus.workers import Accept, AgentState, Reject
@@ -29,6 +31,104 @@ S = HandoffStatus
 
 
 # ---------------------------------------------------------------------- the expiry sweep
+
+
+async def test_a_guard_whose_routing_by_the_sweep_was_lost_is_set_again(
+    backend: str, servers: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A requester died between its record and its routing, and when the guard fired, the
+    sweep's routing was lost too (the set's node out of reach during a failover): the guard
+    was gone, and the handoff waited in no queue until its deadline. Each firing sets it again,
+    twice as far off."""
+    async with make_bus(backend, servers, route_guard=0.2) as bus:
+        async def no_route(*args: Any) -> list[Any]:
+            return []  # the requester died before its route call
+
+        monkeypatch.setattr(HandoffClient, "_route_calls", no_route)
+        handle = await bus.client("req").request_handoff(routed(["x"], timeout=60.0))
+        monkeypatch.undo()
+        reroute, lost = bus.router.reroute, anyio.Event()
+
+        async def first_one_lost(items: Any) -> Any:
+            if not lost.is_set():
+                lost.set()
+                raise RedisConnectionError("the set's node is out of reach")
+            return await reroute(items)
+
+        monkeypatch.setattr(bus.router, "reroute", first_one_lost)
+        queue = bus.keys.route(set_id("x")).queue
+        with anyio.fail_after(10):
+            while not lost.is_set() or await bus.redis.zscore(queue, handle.handoff_id) is None:
+                await bus.sweeper.wait_pass()
+        request_id = handle.handoff_id.split("/")[1]
+        record = bus.keys.record("req", request_id).record
+        assert int(await bus.redis.hget(record, "gwait")) == 800  # 0.2 s, doubled at each of two firings
+        assert await bus.redis.zscore(bus.keys.deadlines("req"), f"o:{request_id}") is not None  # guarded still
+        async with serving(bus, Specialist("cap-1", ["x"])):
+            [outcome] = await outcomes([handle], limit=10)
+        assert outcome.status is S.COMPLETED
+        assert await bus.redis.zscore(bus.keys.deadlines("req"), f"o:{request_id}") is None
+
+
+async def test_a_pull_with_fewer_free_slots_than_sets_finds_the_backlog_of_any(backend: str, servers: dict) -> None:
+    """A worker with one free slot and two sets asked one set per pull, in turn: the empty one
+    half the time, and the worker then waited for its doorbell (a second) with the other's
+    backlog untouched."""
+    async with make_bus(backend, servers) as bus:
+        await bus.router.register_set("x")
+        handles = [await bus.client("req").request_handoff(routed(["y"])) for _ in range(4)]
+        feed = RouteFeed(bus, "both-1", ["x", "y"], "w1")
+        await feed.refresh()
+        assert sorted(feed.sets.values()) == ["x", "y"]
+        pulled = [[d.handoff_id for d in await feed.pull(1)] for _ in range(4)]
+        assert pulled == [[h.handoff_id] for h in handles]  # every pull, whichever set came first
+
+
+async def test_routed_work_and_running_workers_are_found_again_after_clear_all_handoffs(
+    backend: str, servers: dict
+) -> None:
+    """``clear_all_handoffs`` deletes the registries: the requester's process must register its
+    capability set again (workers learn sets only there), and a running worker its agent."""
+    async with make_bus(backend, servers) as bus:
+        client = bus.client("req")
+        first = await client.request_handoff(routed(["x"], timeout=5.0))
+        await client.cancel_handoff(first.handoff_id)
+        async with serving(bus, Specialist("cap-1", ["x"])) as [worker]:
+            assert [a.agent_id for a in await client.list_agents()] == ["cap-1"]
+            await client.clear_all_handoffs(confirm=bus.config.prefix)
+            await worker._register()  # its next heartbeat
+            assert [a.agent_id for a in await client.list_agents()] == ["cap-1"]
+            handle = await client.request_handoff(routed(["x"], timeout=10.0), fail_fast=True)
+            [outcome] = await outcomes([handle], limit=10)
+        assert outcome.status is S.COMPLETED
+
+
+async def test_a_routed_entry_whose_lists_hold_a_bar_stalls_no_set(
+    backend: str, servers: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record's refused list written by hand (or by a requester's own user) holding '|' made
+    a meta no pull could read: every pull of the set failed, for every agent. Route calls now
+    keep such a list out, and pulls drop an entry whose meta they cannot read."""
+    async with make_bus(backend, servers) as bus:
+        client = bus.client("req")
+        unreadable, good = [await client.request_handoff(routed(["x"])) for _ in range(2)]
+        route = bus.keys.route(set_id("x"))
+        await bus.redis.hset(route.meta, unreadable.handoff_id, "1|2|a|b|c")  # written by hand
+
+        async def no_route(*args: Any) -> list[Any]:
+            return []
+
+        monkeypatch.setattr(HandoffClient, "_route_calls", no_route)
+        unrouted = await client.request_handoff(routed(["x"]))
+        monkeypatch.undo()
+        await bus.scripts_many([bus.router.route_call("x", unrouted.handoff_id, 0, "+60000", refused=",a|b,")])
+        meta = await bus.redis.hget(route.meta, unrouted.handoff_id)
+        assert meta is not None and meta.split(b"|")[2:] == [b",", b","]  # the list left out
+        feed = RouteFeed(bus, "cap-1", ["x"], "w1")
+        await feed.refresh()
+        taken = [d.handoff_id for d in await feed.pull(5)]
+        assert taken == [good.handoff_id, unrouted.handoff_id]
+        assert await bus.redis.hget(route.meta, unreadable.handoff_id) is None  # dropped
 
 
 async def test_a_requester_whose_sweep_fails_does_not_stop_the_sweep_of_the_others(

@@ -13,8 +13,9 @@
   ARGV[5..] handoff ids whose claims this worker acknowledges first
 
   Returns {queued count after this pull, server time of the pull (ms), handoff id, ...}: the
-  time is when the agent was chosen, recorded by `assign`. Entries past their deadline are
-  dropped on the way (their records expire by themselves).
+  time is when the agent was chosen, recorded by `assign`. Entries past their deadline, or
+  whose meta cannot be read, are dropped on the way (their records expire by themselves, or
+  their routing guard routes them again).
 ]]
 -- @include offer
 -- @include route
@@ -29,7 +30,8 @@ local stale = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, 100)
 for _, hid in ipairs(stale) do
   redis.call('ZREM', KEYS[3], hid)
   local meta = redis.call('HGET', KEYS[2], hid)
-  if meta then redis.call('ZADD', KEYS[1], parse_meta(meta), hid) end
+  local score = meta and parse_meta(meta)
+  if score then redis.call('ZADD', KEYS[1], score, hid) elseif meta then redis.call('HDEL', KEYS[2], hid) end
 end
 
 local WINDOWS = 16
@@ -48,7 +50,9 @@ if count > 0 then
       local meta = metas[i]
       local _, deadline, refused, deferred = '', 0, ',', ','
       if meta then _, deadline, refused, deferred = parse_meta(meta) end
-      if not meta or deadline <= now then
+      -- no meta, or one that cannot be read (written by hand): dropped, as past its deadline
+      -- (the record's routing guard routes a live one again), never an error for every pull
+      if not deadline or deadline <= now then
         redis.call('ZREM', KEYS[1], hid)
         redis.call('HDEL', KEYS[2], hid)
       elseif eligible(agent, refused, deferred, now) then

@@ -42,10 +42,13 @@ if score and since == 0 then return 0 end
 local now = route_now()
 local deadline = ARGV[3]
 if string.sub(deadline, 1, 1) == '+' then deadline = string.format('%.0f', now + tonumber(string.sub(deadline, 2))) end
-local refused, deferred = ARGV[4], ARGV[5]
+-- lists read from a record: one written by hand (or by a requester's own user) must not put a
+-- '|' in the meta, which no pull could read
+local refused, deferred = agent_list(ARGV[4]), agent_list(ARGV[5])
 local meta = redis.call('HGET', KEYS[2], hid)
-if meta then
-  local _, _, old_refused, old_deferred = parse_meta(meta)
+local _, _, old_refused, old_deferred
+if meta then _, _, old_refused, old_deferred = parse_meta(meta) end
+if old_refused then
   refused, deferred = merge_meta(refused, deferred, old_refused, old_deferred)
 end
 local queued = 0

@@ -65,37 +65,24 @@ class RouteFeed:
 
     async def pull(self, count: int) -> list[Delivery]:
         """Take up to ``count`` routed handoffs into this worker's hands."""
-        bus, config = self._bus, self._bus.config
+        bus = self._bus
         self._looked = now = time.monotonic()
         sids = sorted(sid for sid in self.sets if self._refused.get(sid, 0.0) <= now)
         if not sids or count <= 0:
             return []
-        # share the free slots among the sets, starting with a different one each time
+        # share the free slots among the sets, starting with a different one each time, and with
+        # those that had work left at the last look: with fewer slots than sets only some are
+        # asked, and the sets left out are asked for what those could not give, so that a
+        # backlog in one set never waits on a look at the empty others
         self._turn = (self._turn + 1) % len(sids)
         sids = sids[self._turn:] + sids[:self._turn]
-        quota = {sid: count // len(sids) + (1 if i < count % len(sids) else 0) for i, sid in enumerate(sids)}
-        asked = [sid for sid in sids if quota[sid] > 0]
-        replies = await bus.scripts_many([
-            ("pull", bus.keys.route(sid).as_list(),
-             [self.agent, quota[sid], int(config.route_claim * 1000), SCAN]) for sid in asked
-        ])
+        sids.sort(key=lambda sid: sid not in self._waiting)  # stable: the rotation holds within each
         pulled: list[tuple[str, str, int]] = []  # (set id, handoff id, when it was chosen)
-        for sid, reply in zip(asked, replies, strict=True):
-            if isinstance(reply, CallRefused):  # isolated, and not granted these capabilities
-                if sid not in self._refused:
-                    log.warning("%s: the forwarder refuses pulls from capability set %s (%s); trying it "
-                                "again every %.0f s", self.consumer, self.sets[sid], reply, REFUSED_WAIT)
-                self._refused[sid] = now + REFUSED_WAIT
-                self._waiting.discard(sid)
-                continue
-            if isinstance(reply, BaseException):
-                raise reply
-            self._refused.pop(sid, None)
-            if int(reply[0]) > 0:
-                self._waiting.add(sid)
-            else:
-                self._waiting.discard(sid)
-            pulled += [(sid, h.decode(), int(reply[1])) for h in reply[2:]]
+        while sids and len(pulled) < count:
+            want = count - len(pulled)
+            quota = {sid: want // len(sids) + (1 if i < want % len(sids) else 0) for i, sid in enumerate(sids)}
+            pulled += await self._claim([sid for sid in sids if quota[sid] > 0], quota, now)
+            sids = [sid for sid in sids if quota[sid] == 0]
         if not pulled:
             return []
         offers = await bus.scripts_many([bus.router.assign_call(hid, self.agent, at) for _, hid, at in pulled])
@@ -137,3 +124,30 @@ class RouteFeed:
         admitted = replies[-1]
         return [Delivery(handoff_id=admitted[i].decode(), entry_id=admitted[i + 1].decode())
                 for i in range(0, len(admitted), 2)]
+
+    async def _claim(self, asked: list[str], quota: dict[str, int], now: float) -> list[tuple[str, str, int]]:
+        """Claim up to ``quota`` queued handoffs in each set ``asked``, in one round trip:
+        (set id, handoff id, when it was chosen) of each."""
+        bus, config = self._bus, self._bus.config
+        replies = await bus.scripts_many([
+            ("pull", bus.keys.route(sid).as_list(),
+             [self.agent, quota[sid], int(config.route_claim * 1000), SCAN]) for sid in asked
+        ])
+        pulled: list[tuple[str, str, int]] = []
+        for sid, reply in zip(asked, replies, strict=True):
+            if isinstance(reply, CallRefused):  # isolated, and not granted these capabilities
+                if sid not in self._refused:
+                    log.warning("%s: the forwarder refuses pulls from capability set %s (%s); trying it "
+                                "again every %.0f s", self.consumer, self.sets[sid], reply, REFUSED_WAIT)
+                self._refused[sid] = now + REFUSED_WAIT
+                self._waiting.discard(sid)
+                continue
+            if isinstance(reply, BaseException):
+                raise reply
+            self._refused.pop(sid, None)
+            if int(reply[0]) > 0:
+                self._waiting.add(sid)
+            else:
+                self._waiting.discard(sid)
+            pulled += [(sid, h.decode(), int(reply[1])) for h in reply[2:]]
+        return pulled

@@ -273,8 +273,6 @@ class Worker:
     async def _join(self) -> None:
         self._started_ms = await self.bus.server_time_ms()
         await self._routes.refresh()
-        if self.bus.isolated is None:  # an isolated agent is registered by the forwarder
-            await self.bus.redis.sadd(self.bus.keys.agents, self.agent.agent_id)
         await self._register()
 
     async def _register(self, *, leave: bool = False) -> None:
@@ -291,6 +289,10 @@ class Worker:
         )
         if not leave:
             self.last_beat_ms = int(beat)
+            if self.bus.isolated is None:  # an isolated agent is registered by the forwarder
+                # every beat, not once: after an operator's clear_all_handoffs the agent is
+                # listed again (routing and fail_fast read the agents set) at the next beat
+                await self.bus.redis.sadd(keys.agents, self.agent.agent_id)
 
     async def _leave(self) -> None:
         try:

@@ -16,7 +16,14 @@ local function route_now()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- {score, deadline, refused, deferred} of a meta value
+-- A refused (",a,b,") or deferred (",a=<ms>,") list as given, if it holds only agent ids and
+-- their separators; else the empty list ","
+local function agent_list(value)
+  if string.find(value, '^[%w_.:,=-]*$') then return value end
+  return ','
+end
+
+-- {score, deadline, refused, deferred} of a meta value (all nil if it cannot be read)
 local function parse_meta(value)
   local score, deadline, refused, deferred = string.match(value, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
   return tonumber(score), tonumber(deadline), refused, deferred
