@@ -57,6 +57,8 @@ GAUGE_MODES = {
     "handoffbus_inflight": "livemostrecent",
     "handoffbus_oldest_waiting_age_seconds": "livemostrecent",
     "handoffbus_oldest_inflight_age_seconds": "livemostrecent",
+    "handoffbus_routed_waiting": "livemostrecent",
+    "handoffbus_oldest_routed_age_seconds": "livemostrecent",
     "handoffbus_live_workers": "livemostrecent",
     "handoffbus_worker_heartbeat_timestamp_seconds": "livemax",
 }
@@ -113,6 +115,10 @@ class Metrics:
                                     "handoff has waited since it was requested (0: none)")
         self.oldest_inflight = gauge("handoffbus_oldest_inflight_age_seconds", "How long since the oldest "
                                      "handoff in flight was taken by a worker (0: none)")
+        self.routed_waiting = gauge("handoffbus_routed_waiting", "Routed handoffs waiting in the queues of the "
+                                    "capability sets the agent serves (shared with the other agents serving them)")
+        self.oldest_routed = gauge("handoffbus_oldest_routed_age_seconds", "How long the oldest routed handoff "
+                                   "the agent could take has waited since it was requested (0: none)")
         self.live_workers = gauge("handoffbus_live_workers", "Live worker processes of the agent")
         self.heartbeat = gauge("handoffbus_worker_heartbeat_timestamp_seconds", "Redis time of the last "
                                "registry heartbeat of this process's worker of the agent")
@@ -141,6 +147,8 @@ class Metrics:
             self.inflight.labels(view.agent_id).set(view.in_flight)
             self.oldest_waiting.labels(view.agent_id).set(view.oldest_waiting_s or 0)
             self.oldest_inflight.labels(view.agent_id).set(view.oldest_in_flight_s or 0)
+            self.routed_waiting.labels(view.agent_id).set(view.routed)
+            self.oldest_routed.labels(view.agent_id).set(view.oldest_routed_s or 0)
             self.live_workers.labels(view.agent_id).set(view.workers)
         for agent, beat_ms in beats:
             if beat_ms:

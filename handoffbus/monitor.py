@@ -13,7 +13,7 @@ that starve are the highest numbers, which are always looked at; only when more 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -21,6 +21,7 @@ from .errors import InvalidName
 from .names import split_handoff_id
 from .plainreads import observe_replies
 from .records import text
+from .routing import serves
 from .stats import AgentCounts
 
 if TYPE_CHECKING:
@@ -30,6 +31,10 @@ __all__ = ["AgentView", "known_agents", "observe", "observe_agents"]
 
 #: priority bands, from each end of the queue, whose head is looked at for the oldest waiting handoff
 BANDS = 16
+#: entries read from each end of a capability set's queue for its oldest waiting handoff: ageing
+#: mixes priority into the score, so the oldest is near the head, or, a low priority's, near
+#: the tail (see docs/routing.md on the starvation bound)
+ROUTE_ENDS = 16
 
 
 class AgentView(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,6 +53,11 @@ class AgentView(msgspec.Struct, frozen=True, kw_only=True):
     last_beat_ms: int
     capabilities: list[str] = []
     counts: AgentCounts = AgentCounts()
+    #: routed handoffs waiting in the queues of the capability sets the agent's live workers
+    #: serve (shared with the other agents that serve them), and the oldest one's wait (seconds;
+    #: None: none waiting), as far as ``ROUTE_ENDS`` entries from each end of each queue show it
+    routed: int = 0
+    oldest_routed_s: float | None = None
 
     @property
     def beat_age_s(self) -> float | None:
@@ -82,6 +92,7 @@ async def observe_agents(bus: HandoffBus, agents: Sequence[str] | None = None) -
         if at:
             oldest[i] = min(oldest.get(i, at), at)
     live = {a.agent_id: a for a in await bus.router.directory.of(names)}
+    routed = await _routed(bus, {name: info.capabilities for name, info in live.items()})
     views = []
     for i, (name, reply) in enumerate(zip(names, replies, strict=True)):
         queued, in_flight, first_entry, now = int(reply[0]), int(reply[1]), text(reply[2]), int(reply[3])
@@ -95,8 +106,45 @@ async def observe_agents(bus: HandoffBus, agents: Sequence[str] | None = None) -
             last_beat_ms=max((w.beat_ms for w in info.workers), default=0) if info else 0,
             capabilities=info.capabilities if info else [],
             counts=AgentCounts.parse(dict(zip(flat[::2], flat[1::2], strict=True))),
+            **routed.get(name, {}),
         ))
     return views
+
+
+async def _routed(bus: HandoffBus, capabilities: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
+    """Per agent: ``routed`` and ``oldest_routed_s`` over the capability sets it serves."""
+    if not any(capabilities.values()):
+        return {}
+    sets = await _sets(bus)
+    served = {name: [sid for sid, caps in sets.items() if serves(caps_of, caps)]
+              for name, caps_of in capabilities.items()}
+    sids = sorted({sid for sids in served.values() for sid in sids})
+    if not sids:
+        return {}
+    async with bus.redis.pipeline(transaction=False) as pipe:
+        for sid in sids:
+            queue = bus.keys.route(sid).queue
+            pipe.zcard(queue)
+            pipe.zrange(queue, 0, ROUTE_ENDS - 1)
+            pipe.zrange(queue, -ROUTE_ENDS, -1)
+        replies = await pipe.execute()
+    now = await bus.server_time_ms()  # on its own: a cluster pipeline takes no TIME
+    ends = {sid: {text(h) for h in (*replies[3 * i + 1], *replies[3 * i + 2])} for i, sid in enumerate(sids)}
+    heads = sorted(set().union(*ends.values()))
+    created = dict(zip(heads, await _created_times(bus, heads), strict=True))
+    out: dict[str, dict[str, Any]] = {}
+    for name, sids_of in served.items():
+        waiting = sum(int(replies[3 * sids.index(sid)]) for sid in sids_of)
+        times = [created[h] for sid in sids_of for h in ends[sid] if created[h]]
+        out[name] = {"routed": waiting,
+                     "oldest_routed_s": max(0.0, (now - min(times)) / 1000) if times else None}
+    return out
+
+
+async def _sets(bus: HandoffBus) -> dict[str, str]:
+    """The capability sets requests were routed by: set id -> capabilities (comma-separated)."""
+    table = await bus.redis.hgetall(bus.keys.routes)
+    return {text(sid): text(caps) for sid, caps in table.items()}
 
 
 async def observe(bus: HandoffBus, agent: str) -> AgentView:

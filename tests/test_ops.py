@@ -10,17 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from handoffbus import HandoffBus
+from handoffbus import HandoffBus, Worker
 from handoffbus.acl import monitor_user
 from handoffbus.cli.watch import Frame
-from handoffbus.monitor import BANDS, AgentView, observe_agents
+from handoffbus.monitor import BANDS, ROUTE_ENDS, AgentView, observe_agents
 from handoffbus.plainreads import observe_replies
 from handoffbus.stats import BUCKETS, AgentCounts
 from handoffbus.workers.inbox import Inbox
 
 from .conftest import make_bus, new_prefix
-from .helpers import req
+from .helpers import req, routed
 from .test_monitor_user import monitor_url
+from .test_routing import Specialist
 
 pytestmark = pytest.mark.anyio
 
@@ -56,6 +57,35 @@ async def test_the_oldest_waiting_handoff_is_found_past_many_priority_bands(
                     assert monitor.plain_reads
     assert (view.queued, view.in_flight) == (2 * BANDS + 1, 1)
     assert view.oldest_waiting_s is not None and view.oldest_waiting_s >= 600
+
+
+@pytest.mark.parametrize("reader", ["scripts", "plain-reads"])
+async def test_routed_handoffs_an_agent_could_take_are_in_its_view(
+        real_backend: str, servers: dict, reader: str) -> None:
+    """Routed work waits in capability sets' queues, not in the agent's own: the view counts
+    the waiting handoffs of the sets the agent's live workers serve, and finds the oldest one
+    even at the far end of a queue (a low priority, aged into the score)."""
+    prefix = new_prefix()
+    async with make_bus(real_backend, servers, prefix=prefix, sweep_interval=3600) as admin:
+        client = admin.client("req")
+        starving = await client.request_handoff(routed(["x"], priority=1000))  # the end of the set's queue
+        keys = admin.keys.record("req", starving.handoff_id.split("/")[1])
+        created = int(await admin.redis.hget(keys.record, "created"))
+        await admin.redis.hset(keys.record, "created", created - 600_000)  # it has waited ten minutes
+        for _ in range(2 * ROUTE_ENDS):
+            await client.request_handoff(routed(["x"]))
+        await client.request_handoff(routed(["x", "z"]))  # a set it does not serve
+        await Worker(admin, Specialist("cap-1", ["x", "y"]))._register()  # live, but not pulling
+        if reader == "scripts":
+            views = await observe_agents(admin, ["cap-1", "idle-1"])
+        else:
+            with monitor_url(servers[real_backend], monitor_user(prefix)) as url:
+                async with HandoffBus.connect(url, prefix=prefix, sweep_interval=3600) as monitor:
+                    views = await observe_agents(monitor, ["cap-1", "idle-1"])
+    view, idle = views
+    assert (view.queued, view.routed) == (0, 2 * ROUTE_ENDS + 1)
+    assert view.oldest_routed_s is not None and view.oldest_routed_s >= 600
+    assert (idle.routed, idle.oldest_routed_s) == (0, None)  # no live worker: no capabilities known
 
 
 @pytest.mark.parametrize("reader", ["scripts", "plain-reads"])
@@ -108,7 +138,7 @@ def test_tops_first_frame_shows_no_latency_of_all_time() -> None:
 _EXITING_PROCESS = """
 import anyio, os
 from prometheus_client import CollectorRegistry
-from handoffbus import HandoffBus
+from handoffbus import HandoffBus, Worker
 from handoffbus.metrics import Metrics, serve_metrics
 
 async def main():

@@ -94,6 +94,7 @@ class Frame:
             self.rows.append({
                 "agent": view.agent_id, "queued": view.queued, "in_flight": view.in_flight,
                 "oldest_waiting_s": view.oldest_waiting_s, "oldest_in_flight_s": view.oldest_in_flight_s,
+                "routed": view.routed, "oldest_routed_s": view.oldest_routed_s,
                 "workers": view.workers, "beat_age_s": view.beat_age_s,
                 "rates": {k: round(n / dt, 2) for k, n in since.counts.items()} if since and dt > 0 else None,
                 **_quantiles(window),
@@ -117,14 +118,16 @@ def _rate(row: dict[str, Any], name: str) -> str:
 def render(frame: Frame) -> Table:
     table = Table(title="handoffbus top (rates per second; latency p50/p99 over the last minute)",
                   title_justify="left")
-    columns = ("agent", "queued", "in flight", "oldest waiting", "oldest in flight", "acc/s", "rej/s", "exp/s",
-               "done/s", "fail/s", "decision p50/p99", "completion p50/p99", "workers")
+    columns = ("agent", "queued", "in flight", "oldest waiting", "oldest in flight", "routed", "acc/s", "rej/s",
+               "exp/s", "done/s", "fail/s", "decision p50/p99", "completion p50/p99", "workers")
     for column in columns:
         table.add_column(column, overflow="fold", justify="left" if column == "agent" else "right")
     for row in frame.rows:
         table.add_row(
             row["agent"], str(row["queued"]), str(row["in_flight"]), seconds(row["oldest_waiting_s"]),
-            seconds(row["oldest_in_flight_s"]), _rate(row, "ACCEPTED"), _rate(row, "REJECTED"),
+            seconds(row["oldest_in_flight_s"]),
+            f"{row['routed']} ({seconds(row['oldest_routed_s'])})" if row["routed"] else "0",
+            _rate(row, "ACCEPTED"), _rate(row, "REJECTED"),
             _rate(row, "EXPIRED"), _rate(row, "COMPLETED"), _rate(row, "FAILED"),
             f"{seconds(row['decision_p50_s'])} / {seconds(row['decision_p99_s'])}",
             f"{seconds(row['completion_p50_s'])} / {seconds(row['completion_p99_s'])}",
@@ -181,7 +184,8 @@ def check(
     agent: Annotated[list[str] | None, typer.Option(
         "--agent", "-a", help="also require this agent (repeatable) to have a live worker and a fresh backlog")] = None,
     max_backlog_age: Annotated[float, typer.Option(
-        help="seconds the oldest queued handoff of a checked agent may have waited")] = 300.0,
+        help="seconds the oldest queued handoff of a checked agent (its own queue's, or a routed one it "
+             "could take) may have waited")] = 300.0,
     timeout: Annotated[float, typer.Option(
         help="seconds the check may take: a server that does not answer in time is unhealthy")] = 10.0,
     redis_url: RedisUrl = None, prefix: Prefix = None, as_json: Json = False,
@@ -219,10 +223,14 @@ async def _check(opts: Options, agents: list[str], max_backlog_age: float, wait:
         if view.oldest_waiting_s is not None and view.oldest_waiting_s > max_backlog_age:
             problems.append(f"{view.agent_id}: oldest queued handoff waited {view.oldest_waiting_s:.0f} s "
                             f"(> {max_backlog_age:g} s)")
+        if view.oldest_routed_s is not None and view.oldest_routed_s > max_backlog_age:
+            problems.append(f"{view.agent_id}: oldest routed handoff it could take waited "
+                            f"{view.oldest_routed_s:.0f} s (> {max_backlog_age:g} s)")
     if opts.json:
         emit_json({"ok": not problems, "problems": problems,
                    "agents": [{"agent": v.agent_id, "workers": v.workers, "queued": v.queued,
-                               "oldest_waiting_s": v.oldest_waiting_s} for v in views]})
+                               "oldest_waiting_s": v.oldest_waiting_s, "routed": v.routed,
+                               "oldest_routed_s": v.oldest_routed_s} for v in views]})
     elif problems:
         for problem in problems:
             print(f"unhealthy: {problem}", file=sys.stderr)
