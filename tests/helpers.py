@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -119,3 +119,18 @@ async def live(bus: HandoffBus, agent: str, consumer: str) -> None:
                      [consumer, info, 60000])
     await bus.redis.sadd(bus.keys.agents, agent)
 
+
+def first_call_fails(
+    call: Callable[..., Awaitable[Any]], error: BaseException
+) -> tuple[Callable[..., Awaitable[Any]], anyio.Event]:
+    """``call`` wrapped so that its first call raises ``error`` (setting the event) and the
+    later ones go through: a step whose connection dropped once."""
+    failed = anyio.Event()
+
+    async def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if not failed.is_set():
+            failed.set()
+            raise error
+        return await call(*args, **kwargs)
+
+    return wrapped, failed

@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from handoffbus import HandoffBus, HandoffHandle, HandoffRequest, HandoffResponse, HandoffStatus
 from handoffbus.routing import set_id
@@ -17,7 +18,7 @@ from handoffbus.workers.inbox import Inbox
 from handoffbus.workers.routes import RouteFeed
 
 from .conftest import make_bus
-from .helpers import response_statuses, routed, serving
+from .helpers import first_call_fails, response_statuses, routed, serving
 
 pytestmark = pytest.mark.anyio
 S = HandoffStatus
@@ -178,14 +179,7 @@ async def test_a_lapsed_offer_whose_rerouting_was_lost_is_routed_again(
         feed = RouteFeed(bus, "dead-1", ["x"], "w1")
         await feed.refresh()
         assert [d.handoff_id for d in await feed.pull(1)] == [handle.handoff_id]  # offered; never decided
-        reroute, lost = bus.router.reroute, anyio.Event()
-
-        async def first_one_lost(items: Any) -> Any:
-            if not lost.is_set():
-                lost.set()
-                return [None] * len(items)
-            return await reroute(items)
-
+        first_one_lost, lost = first_call_fails(bus.router.reroute, RedisConnectionError("connection lost"))
         monkeypatch.setattr(bus.router, "reroute", first_one_lost)
         queue = bus.keys.route(set_id("x")).queue
         with anyio.fail_after(10):

@@ -23,7 +23,7 @@ from handoffbus.workers.inbox import Inbox
 from handoffbus.workers.routes import SCAN, RouteFeed
 
 from .conftest import make_bus
-from .helpers import live, routed, serving
+from .helpers import first_call_fails, live, routed, serving
 from .test_routing import Specialist, outcomes
 
 pytestmark = pytest.mark.anyio
@@ -47,14 +47,8 @@ async def test_a_guard_whose_routing_by_the_sweep_was_lost_is_set_again(
         monkeypatch.setattr(HandoffClient, "_route_calls", no_route)
         handle = await bus.client("req").request_handoff(routed(["x"], timeout=60.0))
         monkeypatch.undo()
-        reroute, lost = bus.router.reroute, anyio.Event()
-
-        async def first_one_lost(items: Any) -> Any:
-            if not lost.is_set():
-                lost.set()
-                raise RedisConnectionError("the set's node is out of reach")
-            return await reroute(items)
-
+        first_one_lost, lost = first_call_fails(bus.router.reroute,
+                                                RedisConnectionError("the set's node is out of reach"))
         monkeypatch.setattr(bus.router, "reroute", first_one_lost)
         queue = bus.keys.route(set_id("x")).queue
         with anyio.fail_after(10):

@@ -28,7 +28,7 @@ from handoffbus.workers.lanes import Lanes
 from handoffbus.workers.routes import RouteFeed
 
 from .agents import Echo, ReadsReport
-from .helpers import req, routed, serve_until_done
+from .helpers import first_call_fails, req, routed, serve_until_done
 
 pytestmark = pytest.mark.anyio
 
@@ -211,15 +211,8 @@ async def test_a_stop_hands_back_what_was_taken_but_could_not_be_loaded(real_bus
     # off: the handoff goes back to the queue now, not after the reclaim time
     handle = await real_bus.client("a").request_handoff(req("a", Echo.agent_id))
     worker = Worker(real_bus, Echo(), consumer="w1")
-    load, failed = worker._inbox.load, anyio.Event()
-
-    async def load_fails_once(handoff_ids: Any) -> Any:
-        if not failed.is_set():
-            failed.set()
-            raise RedisConnectionError("connection lost")
-        return await load(handoff_ids)
-
-    worker._inbox.load = load_fails_once  # type: ignore[method-assign]
+    worker._inbox.load, failed = first_call_fails(  # type: ignore[method-assign]
+        worker._inbox.load, RedisConnectionError("connection lost"))
     async with anyio.create_task_group() as tg:
         await tg.start(worker.run)
         with anyio.fail_after(10):
@@ -270,23 +263,15 @@ async def test_a_stop_in_the_middle_of_a_takeover_or_dead_lettering_leaves_the_h
 
 async def test_taken_handoffs_whose_load_failed_are_started_once_it_works(real_bus: HandoffBus) -> None:
     handle = await real_bus.client("a").request_handoff(req("a", Echo.agent_id))
-    failed: list[Delivery] = []
     worker = Worker(real_bus, Echo(), reclaim_idle=600)  # a reclaim would come far too late
-    load = worker._inbox.load
-
-    async def load_fails_once(handoff_ids: Any) -> Any:
-        if not failed:
-            failed.append(handoff_ids)
-            raise RedisConnectionError("connection lost")
-        return await load(handoff_ids)
-
-    worker._inbox.load = load_fails_once  # type: ignore[method-assign]
+    worker._inbox.load, failed = first_call_fails(  # type: ignore[method-assign]
+        worker._inbox.load, RedisConnectionError("connection lost"))
     async with anyio.create_task_group() as tg:
         await tg.start(worker.run)
         with anyio.fail_after(10):
             assert (await handle.outcome()).status is HandoffStatus.COMPLETED
         worker.drain()
-    assert failed  # the load did fail once
+    assert failed.is_set()  # the load did fail once
 
 
 async def test_finished_handoffs_a_failed_settle_left_are_settled_later(real_bus: HandoffBus) -> None:
