@@ -83,7 +83,10 @@ class Waiter:
             await _wait(self._on_outcome, limit)
 
     def set_deadline(self, now_ms: int, deadline_ms: int) -> None:
-        self.deadline_at = clock() + max(deadline_ms - now_ms, 0) / 1000
+        """The acceptance deadline, as the server read it; none once decided (a decision can
+        arrive before the request's own reply is read)."""
+        if self.decision is None:
+            self.deadline_at = clock() + max(deadline_ms - now_ms, 0) / 1000
 
     def nudge(self) -> None:
         """A response for it reached the stream but could not be read: every handle reads the

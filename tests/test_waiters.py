@@ -9,6 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from handoffbus import HandoffBus, HandoffNotFound, HandoffResponse, HandoffStatus, PayloadTooLarge
+from handoffbus.waiters import Waiter
 
 from .conftest import SERVER_BINARIES, Servers, make_bus, new_prefix
 from .helpers import req
@@ -579,3 +580,13 @@ async def test_a_response_the_reader_cannot_decode_fails_the_wait_at_once(server
         await bob.complete_handoff(handle.handoff_id, result=b"x" * 50_000)
         with anyio.fail_after(5), pytest.raises(PayloadTooLarge):
             await handle.outcome()
+
+
+async def test_a_waiter_decided_before_its_requests_reply_was_read_has_no_deadline() -> None:
+    waiter = Waiter("a/r1")
+    waiter.set_deadline(1_000, 61_000)
+    assert waiter.deadline_at is not None
+    waiter.feed(HandoffResponse(handoff_id="a/r1", status=HandoffStatus.ACCEPTED))
+    assert waiter.deadline_at is None
+    waiter.set_deadline(1_000, 61_000)  # the request's own reply, read after the decision
+    assert waiter.deadline_at is None
