@@ -25,7 +25,7 @@ from anyio.abc import TaskStatus
 from .cluster import ClusterSender, is_cluster
 from .errors import HandoffbusError, ScriptsFlushed
 from .scripts import GET, SET, Reload, Script, Scripts
-from .wire import Group, Line, ScriptCall, no_script
+from .wire import Group, Line, ScriptCall, no_script, unsendable
 
 __all__ = ["ScriptBatcher"]
 
@@ -86,9 +86,6 @@ class ScriptBatcher:
             raise HandoffbusError("the bus is closed")
         group = Group(len(calls))
         queued = [ScriptCall(script, keys, args, group) for script, keys, args in calls]
-        guard = self._cluster is not None  # a cluster call declares its guard key (wire.guard_key)
-        for call in queued:
-            call.pack(guard)  # EncodeError: nothing of the group is sent, no one else's call is touched
         self._queue.extend(queued)
         self._wake.set()
         await group.wait()
@@ -141,8 +138,10 @@ class ScriptBatcher:
 
     async def _execute(self, batch: list[ScriptCall], line: Line | None) -> list[Any]:
         if line is None:  # fakeredis
+            errors = unsendable(batch)  # as exchange answers them (the in-memory mode: checked always)
+            sent = [call for i, call in enumerate(batch) if i not in errors]
             async with self._redis.pipeline(transaction=False) as pipe:
-                for call in batch:
+                for call in sent:
                     if call.script.sha:
                         pipe.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
                     elif call.script is GET:  # the plain commands (scripts.Command)
@@ -150,8 +149,8 @@ class ScriptBatcher:
                     else:
                         assert call.script is SET
                         pipe.execute_command("SET", *call.keys, *call.args)
-                replies: list[Any] = await pipe.execute(raise_on_error=False)
-                return replies
+                answers = iter(await pipe.execute(raise_on_error=False) if sent else [])
+                return [errors[i] if i in errors else next(answers) for i in range(len(batch))]
         return await line.exchange(batch)
 
     async def _send(self, batch: list[ScriptCall], line: Line | None) -> None:

@@ -24,7 +24,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from .errors import EncodeError
 from .scripts import Script
 
-__all__ = ["Group", "Line", "ScriptCall", "exchange", "guard_key", "no_script", "pack_call", "pack_evalsha"]
+__all__ = ["Group", "Line", "ScriptCall", "exchange", "guard_key", "no_script", "pack_call", "pack_evalsha",
+           "unsendable"]
 
 _ASKING = b"*1\r\n$6\r\nASKING\r\n"
 
@@ -77,8 +78,7 @@ class Group:
 
 
 class ScriptCall:
-    __slots__ = ("args", "asked", "error", "finished", "group", "keys", "packed", "parked", "result", "script",
-                 "tries")
+    __slots__ = ("args", "asked", "error", "finished", "group", "keys", "parked", "result", "script", "tries")
 
     def __init__(self, script: Script, keys: list[str], args: list[Any], group: Group) -> None:
         self.script = script
@@ -93,18 +93,6 @@ class ScriptCall:
         self.asked: Any = None
         self.tries = 0
         self.parked: float | None = None
-        #: its RESP, packed when it is queued (see ``pack``); None until then
-        self.packed: bytes | None = None
-
-    def pack(self, guard: bool = False) -> None:
-        """Pack the call now, so that an argument that cannot be sent fails this call alone, as
-        ``EncodeError``, before it joins anyone's batch (text that is not UTF-8, e.g. a str
-        holding a lone surrogate as ``os.fsdecode`` makes; ``TypeError`` for a type no command
-        takes, a bug of the caller)."""
-        try:
-            self.packed = pack_call(self, guard)
-        except UnicodeEncodeError as exc:
-            raise EncodeError(f"cannot send {self.script.name}: text that is not valid UTF-8 ({exc})") from None
 
     @property
     def slot(self) -> int:
@@ -139,14 +127,55 @@ async def exchange(
     cluster node (``asking`` given) each call declares its guard key, and a call marked in
     ``asking`` goes right after an ASKING, which applies to the next command only. Each reply
     is awaited ``reply_wait`` seconds at most, or the connection's socket timeout if shorter."""
-    if asking is None:
-        data = b"".join(call.packed or pack_call(call) for call in calls)
-    else:  # a cluster node
-        data = b"".join((_ASKING if ask else b"") + (call.packed or pack_call(call, guard=True))
-                        for call, ask in zip(calls, asking, strict=True))
+    try:
+        if asking is None:
+            data = b"".join(pack_call(call) for call in calls)
+        else:  # a cluster node
+            data = b"".join((_ASKING if ask else b"") + pack_call(call, guard=True)
+                            for call, ask in zip(calls, asking, strict=True))
+    except UnicodeEncodeError:  # nothing was sent: send what can be, each other call hears why not
+        return await _without_unsendable(conn, calls, asking, reply_wait)
     # a script never blocks: the connection's socket timeout, if its URL set one, bounds each reply
     waits = [w for w in (reply_wait, getattr(conn, "socket_timeout", None)) if w]
     return await _round_trip(conn, data, len(calls), asking, min(waits) if waits else None)
+
+
+def unsendable(calls: list[ScriptCall]) -> dict[int, EncodeError]:
+    """The calls that cannot be packed, by position, each with its error: one holding text that
+    is not UTF-8 (a str with a lone surrogate, as ``os.fsdecode`` makes of a file name's bytes),
+    and every other call of its group (sent alone, a later call of a group could run without
+    the earlier one). Only looked for when a batch would not pack: one caller's bad text must
+    fail that caller's calls alone, not everyone's in the batch."""
+    bad: dict[Group, EncodeError] = {}
+    for call in calls:
+        try:
+            pack_call(call)
+        except UnicodeEncodeError as exc:
+            bad.setdefault(call.group, EncodeError(f"cannot send {call.script.name}: text that is not UTF-8 ({exc})"))
+    return {i: bad[call.group] for i, call in enumerate(calls) if call.group in bad}
+
+
+async def _without_unsendable(
+    conn: Any, calls: list[ScriptCall], asking: list[bool] | None, reply_wait: float | None
+) -> list[Any]:
+    """``exchange`` of the calls that can be packed; the others answered by their EncodeError.
+    A failure raised carries ``replies_read`` for the calls in order, as ``exchange`` does."""
+    errors = unsendable(calls)
+    sent = [i for i in range(len(calls)) if i not in errors]
+    replies: list[Any] = []
+    try:
+        if sent:
+            replies = await exchange(conn, [calls[i] for i in sent],
+                                     None if asking is None else [asking[i] for i in sent], reply_wait)
+    except BaseException as exc:
+        replies = getattr(exc, "replies_read", [])
+        # the calls in order up to the first one sent and not answered
+        upto = sent[len(replies)] if len(replies) < len(sent) else len(calls)
+        answers = dict(zip(sent, replies, strict=False))
+        exc.replies_read = [errors.get(i, answers.get(i)) for i in range(upto)]  # type: ignore[attr-defined]
+        raise
+    answers = dict(zip(sent, replies, strict=True))
+    return [errors[i] if i in errors else answers[i] for i in range(len(calls))]
 
 
 async def _round_trip(

@@ -16,7 +16,7 @@ from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
-from handoffbus import HandoffBus, HandoffHandle, HandoffStatus, ScriptsFlushed
+from handoffbus import EncodeError, HandoffBus, HandoffHandle, HandoffStatus, ScriptsFlushed, wire
 from handoffbus.scripts import SCRIPT_NAMES, Scripts, _files, key_count, script_source
 from handoffbus.wire import Group, Line, ScriptCall, _round_trip, pack_evalsha
 from handoffbus.workers.inbox import Inbox
@@ -59,6 +59,29 @@ def test_an_evalsha_call_is_packed_as_redis_py_packs_it(keys: list[str], args: l
 def test_an_argument_redis_cannot_carry_is_refused(bad: Any) -> None:
     with pytest.raises(TypeError):
         pack_evalsha(ScriptCall(Scripts().accept, ["k"], ["a", bad], Group(1)))
+
+
+async def test_calls_that_cannot_be_packed_answer_alone_even_when_the_connection_fails(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call holding text that is not UTF-8 is answered by its EncodeError and the others are
+    sent; when the connection then fails midway, the replies read stay in the calls' order."""
+    script = Scripts().accept
+    bad, good1, good2 = (ScriptCall(script, ["k"], [arg], Group(1)) for arg in ("\udcff", "a", "b"))
+    sent: list[bytes] = []
+
+    async def fails_after_one(conn: Any, data: bytes, count: int, *args: Any) -> list[Any]:
+        sent.append(data)
+        exc = RedisConnectionError("Connection reset by peer")
+        exc.replies_read = ["one"]  # type: ignore[attr-defined]
+        raise exc
+
+    monkeypatch.setattr(wire, "_round_trip", fails_after_one)
+    with pytest.raises(RedisConnectionError) as failed:
+        await wire.exchange(object(), [bad, good1, good2])
+    [data] = sent
+    assert data == pack_evalsha(good1) + pack_evalsha(good2)  # the bad one never reached the wire
+    first, second = failed.value.replies_read  # type: ignore[attr-defined]
+    assert isinstance(first, EncodeError) and second == "one"
 
 
 async def test_every_call_stays_in_one_hash_slot(bus: HandoffBus) -> None:
