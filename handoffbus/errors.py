@@ -63,16 +63,18 @@ class PayloadTooLarge(HandoffbusError, ValueError):
     """A payload exceeds the configured size limit (checked before decoding)."""
 
 
-class HandoffNotFound(HandoffbusError, LookupError):
-    """No handoff record exists for this id (never created, or past retention)."""
+class HandoffNotFound(HandoffbusError, LookupError, ValueError):
+    """No handoff record exists for this id (never created, or past retention). A ValueError
+    too, as sw4rm's client raises for a missing handoff id."""
 
     def __init__(self, handoff_id: str) -> None:
         super().__init__(f"handoff {handoff_id!r} not found")
         self.handoff_id = handoff_id
 
 
-class InvalidTransition(HandoffbusError):
-    """The handoff's current status does not allow this transition."""
+class InvalidTransition(HandoffbusError, ValueError):
+    """The handoff's current status does not allow this transition. A ValueError too, as
+    sw4rm's client raises for an invalid state transition."""
 
     def __init__(self, handoff_id: str, current: str, attempted: str, owner: str | None = None) -> None:
         super().__init__(f"cannot {attempted} handoff {handoff_id!r}: it is {current}")

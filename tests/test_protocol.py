@@ -462,3 +462,13 @@ async def test_resubmission_is_judged_by_content_not_by_bytes(backend: str, serv
                 )
                 assert again.handoff_id == first.handoff_id
         assert [p.handoff_id for p in await bus.client("b").get_pending_handoffs()] == ["a/same"]
+
+
+async def test_sw4rm_callers_that_catch_value_error_catch_bad_transitions_and_missing_ids(bus: HandoffBus) -> None:
+    # sw4rm's client raises ValueError for both: code written against it must keep working
+    handle = await bus.client("a").request_handoff(req("a", "b"))
+    await bus.client("a").cancel_handoff(handle.handoff_id)
+    with pytest.raises(ValueError, match="it is CANCELLED"):
+        await bus.client("b").accept_handoff(handle.handoff_id)
+    with pytest.raises(ValueError, match="not found"):
+        await bus.client("b").accept_handoff("a/no-such-request")
