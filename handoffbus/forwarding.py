@@ -34,7 +34,7 @@ import msgspec
 from anyio.abc import TaskStatus
 from redis.exceptions import RedisError, ResponseError
 
-from .backoff import Backoff
+from .backoff import LOST_CONNECTION, Backoff
 from .config import MAX_PRIORITY
 from .errors import CallRefused, ForwarderUnavailable, HandoffbusError, InvalidName
 from .models import HandoffRequest, WorkerInfo
@@ -220,9 +220,12 @@ class Forwarder:
                 if cursor == "0" and not entries:
                     cursor = ">"
                     continue
+                lost: list[BaseException] = []  # entries left unanswered for a lost connection
                 async with anyio.create_task_group() as batch:  # an agent's calls are independent
                     for entry_id, fields in entries:
-                        batch.start_soon(self._answer, agent, entry_id, fields)
+                        batch.start_soon(self._answer, agent, entry_id, fields, lost)
+                if lost:
+                    raise lost[0]
             except (RedisError, OSError) as exc:
                 log.warning("forwarder: serving %s failed (%s)", agent, exc)
                 cursor = "0"  # read what was taken and not acknowledged again
@@ -234,22 +237,27 @@ class Forwarder:
                 continue
             backoff.reset()
 
-    async def _answer(self, agent: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+    async def _answer(self, agent: str, entry_id: bytes, fields: dict[bytes, bytes],
+                      lost: list[BaseException]) -> None:
         """Run one outbox entry's calls, then reply and acknowledge in one round trip. Whatever
-        an entry holds, it is answered: one bad entry never stops the forwarder. Shielded (and
-        bounded): a forwarder stopping between running the calls and replying would leave the
-        agent waiting out its timeout for calls that were made."""
+        an entry holds, it is answered: one bad entry never stops the forwarder. An entry the
+        server could not be reached for is noted in ``lost``, and read again once it can.
+        Shielded (and bounded): a forwarder stopping between running the calls and replying
+        would leave the agent waiting out its timeout for calls that were made."""
         with anyio.move_on_after(ANSWER_WAIT, shield=True):
-            await self._answer_now(agent, entry_id, fields)
+            try:
+                await self._answer_now(agent, entry_id, fields)
+            except LOST_CONNECTION as exc:
+                lost.append(exc)
 
     async def _answer_now(self, agent: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         bus = self._bus
         count = 1
         try:
             replies = await self._handle(agent, fields)
-        except (RedisError, OSError):
+        except LOST_CONNECTION:
             raise  # not answered: read again once Redis is back
-        except Exception as exc:
+        except Exception as exc:  # a server's error reply too: it would answer the same again
             log.exception("forwarder: an entry from %s failed", agent)
             with contextlib.suppress(Exception):
                 count = len(_calls.decode(fields[b"calls"]))  # one answer per call, as the outbox expects
@@ -281,7 +289,12 @@ class Forwarder:
             result = results.pop(0)
             out.append((False, f"error:{result}") if isinstance(result, BaseException) else (True, result))
             if not isinstance(result, BaseException):
-                await self._after(sender, call, result)
+                try:
+                    await self._after(sender, call, result)
+                except Exception as exc:  # the call ran: its answer stands (a routing lost here is
+                    # made again by the record's routing guard; a doorbell is only a hint)
+                    log.warning("forwarder: what follows %s from %s failed (%s: %s)", call[0], sender,
+                                type(exc).__name__, exc)
         return _encode.encode(out)
 
     async def _after(self, sender: str, call: Call, result: Any) -> None:

@@ -26,7 +26,7 @@ BAND_SIZE = 1 << 42
 
 #: the record fields the ``load`` script reads, in its order (see lua/load-2.lua)
 LOAD_FIELDS = ("status", "env", "agent", "attempt", "created", "deadline", "id", "from", "to", "routed", "caps",
-               "sig", "lease")
+               "rsig", "lease", "sig")
 
 
 def refuses_scripts(reply: object) -> bool:
@@ -73,6 +73,8 @@ async def load_rows(redis: Any, keys: Sequence[RecordKeys]) -> list[list[Any]]:
         row, envelope = list(replies[2 * i]), replies[2 * i + 1]
         if row[0] is not None and envelope is not None:
             row[1] = envelope
+        if row[11] is None and row[0] == b"PENDING":  # a record written before `rsig` (see the script)
+            row[11] = row[13]
         rows.append([*row[:12], now_ms, row[12], 0])  # the script's order: server time, the lease, left out
     return rows
 

@@ -137,7 +137,8 @@ def loaded_from_row(
     row: Sequence[Any], codec: PayloadCodec, keyring: Keyring | None = None, handoff_id: str | None = None
 ) -> Loaded | None:
     """Decode a ``load`` script reply; None when the record is gone. Never raises for bad data.
-    With a keyring, a PENDING request's signature is checked before its payload is decoded.
+    With a keyring, the request's signature is checked before its payload is decoded (a
+    PENDING one's within the replay window; an accepted one's, which a takeover runs, at all).
     Given the ``handoff_id`` it was read as, a record that names another handoff, or whose
     request is not its requester's own, is poison (see ``check_belongs``)."""
     status, env, agent, attempt, created, deadline = row[:6]
@@ -151,8 +152,8 @@ def loaded_from_row(
     except ValueError as exc:  # an unreadable number or agent id poisons the record like a bad envelope
         return poison_row(exc)
     try:
-        if keyring is not None and status == b"PENDING":
-            check_request(keyring, row, env or b"")
+        if keyring is not None:  # the replay window only before acceptance: a takeover runs it later
+            check_request(keyring, row, env or b"", window=status == b"PENDING")
         request = codec.loads(env or b"", HandoffRequest)
         if handoff_id is not None:
             check_belongs(handoff_id, row, request)
@@ -185,14 +186,15 @@ def check_belongs(handoff_id: str, row: Sequence[Any], request: HandoffRequest) 
                              f"to {request.to_agent!r}")
 
 
-def check_request(keyring: Keyring, row: Sequence[Any], env: bytes) -> None:
+def check_request(keyring: Keyring, row: Sequence[Any], env: bytes, *, window: bool = True) -> None:
     """Check the signature of a ``load`` reply's request over the stored bytes (routed
-    requests were signed with no target: the record's target is set later, by routing)."""
+    requests were signed with no target: the record's target is set later, by routing);
+    ``window``: within the replay window too."""
     created, deadline, hid, sender, to, routed, caps, sig, now = (
         v.decode() if isinstance(v, bytes) else v for v in row[4:13])
     parts = [hid or "", sender or "", "" if routed == "1" else (to or ""), caps or "",
              str(int(deadline or 0) - int(created or 0))]
-    keyring.verify(sig, sender or "", "request", parts, env, int(now))
+    keyring.verify(sig, sender or "", "request", parts, env, int(now), window=window)
 
 
 def check_response(keyring: Keyring, handoff_id: str, f: Mapping[bytes, bytes]) -> None:

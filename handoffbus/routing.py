@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgspec
 
 from . import errors
+from .config import MAX_PRIORITY
 from .errors import raise_for_code
 from .models import AgentInfo, HandoffResponse, HandoffStatus, WorkerInfo
 from .names import check_names, split_handoff_id
@@ -100,6 +101,15 @@ class Reroute(NamedTuple):
     @property
     def refused_agents(self) -> list[str]:
         return [a for a in self.refused.split(",") if a]
+
+    def within(self, max_timeout_ms: int) -> Reroute:
+        """The terms as a request could have made them. They are read from the record, which
+        its requester's own user may write: a priority past MAX_PRIORITY, or a creation time
+        older than the longest timeout, would put it ahead of everyone in the set's queue (or,
+        out of a double's range, make the score NaN)."""
+        deadline = min(max(self.deadline_ms, 0), 2**53)
+        return self._replace(priority=min(max(self.priority, -MAX_PRIORITY), MAX_PRIORITY), deadline_ms=deadline,
+                             created_ms=min(max(self.created_ms, deadline - max_timeout_ms), deadline))
 
 
 def granted(grants: Mapping[bytes, bytes], agent: str, claimed: Iterable[str]) -> set[str]:
@@ -289,6 +299,7 @@ class Router:
         if not items:
             return []
         bus = self._bus
+        items = [item.within(int(bus.config.max_timeout * 1000)) for item in items]
         agents = await self.directory.agents(max_age=0.5)
         if any(item.refused_agents and not Directory.capable(agents, item.caps, exclude=item.refused_agents)
                for item in items):
@@ -328,8 +339,11 @@ class Router:
                         calls.append(self._route_again(again))
                 # code < 0: decided, expired or gone meanwhile
         replies = await bus.scripts_many(calls) if calls else []
-        for reply in replies:
+        for call, reply in zip(calls, replies, strict=True):
             if isinstance(reply, BaseException):
+                if call[0] == "ring":  # a doorbell is a hint (an agent's own user may have broken its key)
+                    log.info("routing: could not ring %s (%s)", call[1][0], reply)
+                    continue
                 raise reply
         for i, index in final:
             results[i] = self.response(items[i].handoff_id, replies[index])

@@ -133,7 +133,7 @@ async def exchange(
         else:  # a cluster node
             data = b"".join((_ASKING if ask else b"") + pack_call(call, guard=True)
                             for call, ask in zip(calls, asking, strict=True))
-    except UnicodeEncodeError:  # nothing was sent: send what can be, each other call hears why not
+    except (UnicodeEncodeError, TypeError):  # nothing was sent: send what can be, each other call hears why not
         return await _without_unsendable(conn, calls, asking, reply_wait)
     # a script never blocks: the connection's socket timeout, if its URL set one, bounds each reply
     waits = [w for w in (reply_wait, getattr(conn, "socket_timeout", None)) if w]
@@ -142,16 +142,19 @@ async def exchange(
 
 def unsendable(calls: list[ScriptCall]) -> dict[int, EncodeError]:
     """The calls that cannot be packed, by position, each with its error: one holding text that
-    is not UTF-8 (a str with a lone surrogate, as ``os.fsdecode`` makes of a file name's bytes),
+    is not UTF-8 (a str with a lone surrogate, as ``os.fsdecode`` makes of a file name's bytes)
+    or a value no command takes (None: an isolated agent's forwarded call can hold anything),
     and every other call of its group (sent alone, a later call of a group could run without
-    the earlier one). Only looked for when a batch would not pack: one caller's bad text must
-    fail that caller's calls alone, not everyone's in the batch."""
+    the earlier one). Only looked for when a batch would not pack: one caller's bad argument
+    must fail that caller's calls alone, not everyone's in the batch."""
     bad: dict[Group, EncodeError] = {}
     for call in calls:
         try:
             pack_call(call)
         except UnicodeEncodeError as exc:
             bad.setdefault(call.group, EncodeError(f"cannot send {call.script.name}: text that is not UTF-8 ({exc})"))
+        except TypeError as exc:
+            bad.setdefault(call.group, EncodeError(f"cannot send {call.script.name}: {exc}"))
     return {i: bad[call.group] for i, call in enumerate(calls) if call.group in bad}
 
 

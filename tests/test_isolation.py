@@ -4,6 +4,7 @@ carries handoffs between them and refuses calls that act as someone else."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.lowlevel
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 from anyio.abc import Process
@@ -443,7 +446,7 @@ async def test_a_stopping_forwarder_still_answers_the_entry_it_started_on(real_b
         before = await trusted.redis.xlen(trusted.keys.replies("mallory"))
         async with anyio.create_task_group() as tg:
             tg.start_soon(forwarder._answer, "mallory", b"1-1",
-                          {b"rid": b"stop-test", b"calls": _msgspec.msgpack.encode(calls)})
+                          {b"rid": b"stop-test", b"calls": _msgspec.msgpack.encode(calls)}, [])
             await ran.wait()
             tg.cancel_scope.cancel()
         replies = await trusted.redis.xrange(trusted.keys.replies("mallory"), "-", "+")
@@ -549,3 +552,132 @@ async def test_an_isolated_worker_reads_the_out_of_band_content_of_its_handoffs_
         other = await req_bus.client("req").request_handoff(req("req", "mallory"))
         with pytest.raises(CallRefused, match="does not refer to"):
             await restore(setup.buses["mallory"], offloaded, other.handoff_id)
+
+
+# ---------------------------------------------------------------------- one agent's abuse harms no other
+
+
+async def _forge_routed_record(bus: HandoffBus, agent: str, request_id: str, *, prio: int, created: int,
+                               to: str = "", caps: str = "x") -> None:
+    """A routed PENDING record written by hand in the agent's own slot (its ACL user may)."""
+    seconds, micros = await bus.redis.time()
+    now = int(seconds) * 1000 + int(micros) // 1000
+    keys = bus.keys.record(agent, request_id)
+    await bus.redis.hset(keys.record, mapping={
+        "id": f"{agent}/{request_id}", "from": agent, "to": to, "status": "PENDING", "actor": agent,
+        "created": created, "updated": now, "deadline": now + 60_000, "fp": "x", "hist": "[]",
+        "routed": "1", "caps": caps, "prio": prio, "chain": "[]", "refused": ",", "deferred": ","})
+    await bus.redis.set(keys.envelope, b"\x80")
+    await bus.redis.set(keys.marker, "1", px=60_000)
+    await bus.redis.zadd(keys.deadlines, {request_id: now + 60_000})
+
+
+async def _outbox_answered(bus: HandoffBus, agent: str, rid: str) -> None:
+    """Until the forwarder has answered the agent's outbox entry ``rid`` (a blocking read)."""
+    cursor: bytes | str = "0"
+    with anyio.fail_after(10):
+        while True:
+            for _, entries in await bus.redis.xread({bus.keys.replies(agent): cursor}, block=1000) or ():
+                for entry_id, fields in entries:
+                    if fields[b"rid"] == rid.encode():
+                        return
+                    cursor = entry_id
+
+
+async def test_one_agents_unpackable_call_fails_no_other_agents_calls(real_backend: str, servers: dict) -> None:
+    # mallory's outbox entries hold an allowed call with an argument no command takes (msgpack
+    # nil): batched with everyone else's calls, it failed the whole batch, other agents' calls
+    # and the forwarder's own sweep included
+    async with isolated(real_backend, servers) as setup:
+        mallory = setup.buses["mallory"]
+        record = mallory.keys.record("mallory", "x")
+        bad = msgspec.msgpack.encode([("load", [record.record, record.envelope], [None])])
+        failures: list[BaseException] = []
+        done = anyio.Event()
+
+        async def flood() -> None:
+            n = 0
+            while not done.is_set():
+                await mallory.redis.xadd(mallory.keys.outbox("mallory"), {"rid": f"m{n}", "calls": bad})
+                n += 1
+                await anyio.lowlevel.checkpoint()  # a yield: the flood runs beside the requests
+
+        async def one(i: int) -> None:
+            try:
+                await setup.buses["req"].client("req").request_handoff(req("req", "echo-1", reason=f"r{i}"))
+            except Exception as exc:
+                failures.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(flood)
+            with anyio.fail_after(60):
+                for _ in range(10):
+                    async with anyio.create_task_group() as burst:
+                        for i in range(20):
+                            burst.start_soon(one, i)
+            done.set()
+    assert failures == []
+
+
+async def test_a_requester_cannot_raise_its_priority_by_writing_its_own_record(
+        real_backend: str, servers: dict) -> None:
+    # the sweep routes a handoff again with the priority its record holds, which the
+    # requester's own user may write: -10**9 put mallory's ahead of everything in the set
+    async with isolated(real_backend, servers) as setup:
+        trusted, mallory = setup.trusted, setup.buses["mallory"]
+        first = await setup.buses["req"].client("req").request_handoff(
+            HandoffRequest(from_agent="req", to_agent="", capabilities_required=["x"], reason="first",
+                           priority=-1000, timeout=60))
+        await mallory.client("mallory").request_handoff(req("mallory", "echo-1"))  # a known requester
+        seconds, micros = await mallory.redis.time()
+        await _forge_routed_record(mallory, "mallory", "evil", prio=-10**9,
+                                   created=int(seconds) * 1000 + int(micros) // 1000)
+        await mallory.redis.zadd(mallory.keys.deadlines("mallory"), {"o:evil": 1})  # a routing guard, due
+        queue = trusted.keys.route(set_id("x")).queue
+        with anyio.fail_after(10):
+            while await trusted.redis.zscore(queue, "mallory/evil") is None:
+                await trusted.sweeper.wait_pass()
+        order = await trusted.redis.zrange(queue, 0, -1)
+    assert order == [first.handoff_id.encode(), b"mallory/evil"]  # priority at most -1000, and later
+
+
+async def test_one_agents_outbox_entry_does_not_stop_the_forwarder(real_backend: str, servers: dict) -> None:
+    # mallory refuses (a permitted call) a routed record of its own whose priority and creation
+    # time made the route script fail: the routing on raised inside the entry's task group, and
+    # the whole forwarder stopped for every agent (and again after a restart: never acknowledged)
+    async with isolated(real_backend, servers) as setup:
+        mallory = setup.buses["mallory"]
+        await _forge_routed_record(mallory, "mallory", "evil", to="mallory", prio=-10**400, created=10**400)
+        keys = mallory.keys.record("mallory", "evil")
+        call = ("reject", keys.as_list(), ["mallory/evil", "evil", "mallory", 0, 0, "retry", 1000])
+        await mallory.redis.xadd(mallory.keys.outbox("mallory"), {"rid": "m1", "calls": msgspec.msgpack.encode([call])})
+        await _outbox_answered(mallory, "mallory", "m1")
+        assert await mallory.redis.xlen(mallory.keys.outbox("mallory")) == 0  # acknowledged: never read again
+        with anyio.fail_after(10):
+            handle = await setup.buses["req"].client("req").request_handoff(req("req", "echo-1", reason="after"))
+        assert await setup.trusted.redis.zscore(setup.trusted.keys.target("echo-1").queue, handle.handoff_id)
+
+
+async def test_a_refusal_routed_on_to_a_broken_doorbell_does_not_stop_the_forwarder(
+        real_backend: str, servers: dict) -> None:
+    # mallory claims capability x (self-asserted, no grants) and makes its doorbell a string;
+    # echo-1's ordinary refusal is routed on, the ring of mallory's doorbell failed, and the
+    # error stopped the forwarder
+    async with isolated(real_backend, servers) as setup:
+        mallory, echo = setup.buses["mallory"], setup.buses["echo-1"]
+        now = int((await mallory.redis.time())[0]) * 1000
+        for bus, agent in ((mallory, "mallory"), (echo, "echo-1")):
+            await bus.redis.hset(bus.keys.workers(agent), "w1", json.dumps({
+                "consumer": "w1", "state": "RUNNABLE", "load": 0, "limit": 10, "capabilities": ["x"],
+                "beat_ms": now + 600_000, "ttl_ms": 600_000}))
+        await mallory.redis.set(mallory.keys.target("mallory").bell, "not a stream")
+        handle = await setup.buses["req"].client("req").request_handoff(
+            HandoffRequest(from_agent="req", to_agent="", capabilities_required=["x"], reason="r", timeout=60))
+        keys = echo.keys.record("req", handle.request_id)
+        offer = await echo.script("assign", keys.as_list(), [handle.handoff_id, handle.request_id, "echo-1",
+                                                             30_000, 0, 0, 0])
+        assert int(offer[0]) == 1
+        await echo.client("echo-1").reject_handoff(handle.handoff_id, "not mine")  # answered after the routing on
+        with anyio.fail_after(10):
+            after = await setup.buses["req"].client("req").request_handoff(req("req", "echo-1", reason="after"))
+        assert await setup.trusted.redis.zscore(setup.trusted.keys.target("echo-1").queue, after.handoff_id)

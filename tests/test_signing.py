@@ -251,3 +251,49 @@ async def test_a_forged_handoff_runs_no_hook(real_bus: HandoffBus, case: str) ->
     if case != "already accepted":  # poison: dead-lettered, its record left as it is
         dead = await real_bus.client("watch-1").get_dead_letters("watch-1")
         assert [d.handoff_id for d in dead] == [hid] and "InvalidRequest" in dead[0].reason
+
+
+async def test_a_tampered_request_is_not_run_when_accepted_work_is_taken_over(real_backend: str, servers: dict) -> None:
+    # the signature was checked only while PENDING: a request replaced after its acceptance (by
+    # anyone who can write the requester's slot, the requester itself under isolation) ran when a
+    # live worker took the work over from a dead one. A genuine one is taken over and completes.
+    ring = Keyring([SigningKey(key_id="r-1", agent="req", secret=os.urandom(32)),
+                    SigningKey(key_id="w-1", agent="watch-1", secret=os.urandom(32))])
+    seen: list[str] = []
+    working = anyio.Event()
+
+    class Hangs(Agent):
+        agent_id = "watch-1"
+
+        async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+            seen.append(handoff.request.reason)
+            if len(seen) == 2:
+                working.set()
+            await anyio.sleep_forever()
+
+    class Works(Hangs):
+        async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+            seen.append(handoff.request.reason)
+            return "done"
+
+    async with make_bus(real_backend, servers, keyring=ring) as bus:
+        genuine, forged = [await bus.client("req").request_handoff(req("req", "watch-1", reason=reason))
+                           for reason in ("genuine", "to be replaced")]
+        async with anyio.create_task_group() as tg:
+            await tg.start(Worker(bus, Hangs(), reclaim_idle=0.3).run)
+            with anyio.fail_after(10):
+                await working.wait()
+            tg.cancel_scope.cancel()  # the worker dies mid-work
+        key = bus.keys.record("req", forged.request_id).envelope
+        stored = bus.codec.loads(await bus.redis.get(key), HandoffRequest)
+        await bus.redis.set(key, bus.codec.dumps(msgspec.structs.replace(stored, reason="tampered")))  # not signed
+        async with anyio.create_task_group() as tg:
+            worker = Worker(bus, Works(), reclaim_idle=0.3)
+            await tg.start(worker.run)
+            with anyio.fail_after(10):
+                assert (await genuine.outcome()).status is HandoffStatus.COMPLETED
+                while not (letters := await bus.client("watch-1").get_dead_letters("watch-1")):
+                    await worker.wait_reclaim_pass()
+            worker.drain()
+    assert sorted(seen) == ["genuine", "genuine", "to be replaced"]  # never "tampered"
+    assert [d.handoff_id for d in letters] == [forged.handoff_id] and "bad signature" in letters[0].reason

@@ -17,8 +17,11 @@
   still stands.
 ]]
 local row = redis.call('HMGET', KEYS[1], 'status', 'env', 'agent', 'attempt', 'created', 'deadline', 'id',
-  'from', 'to', 'routed', 'caps', 'sig', 'lease', 'esz')
+  'from', 'to', 'routed', 'caps', 'rsig', 'lease', 'esz', 'sig')
 local t = redis.call('TIME')
+-- the request's signature: `rsig`; a PENDING record written before `rsig` was keeps it as `sig`
+-- (once decided, `sig` is the deciding agent's response signature)
+if not row[12] and row[1] == 'PENDING' then row[12] = row[15] end
 local size = tonumber(row[14])  -- nil for a record written before its size was (or an old layout)
 row[14] = row[13]
 row[13] = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)

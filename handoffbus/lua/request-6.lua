@@ -17,7 +17,8 @@
   ARGV[13] cap on the requester's undecided handoffs, counted as KEYS[3] entries (one per
            undecided handoff, a routed one has a second while it waits on an offer or a routing
            guard); 0 = none
-  ARGV[14] signature ('' = unsigned), stored as the record's `sig` (see signing.py)
+  ARGV[14] signature ('' = unsigned), stored as the record's `rsig` (see signing.py); `sig`
+           holds the last transition's response signature
   ARGV[15] '1' = the envelope is staged at KEYS[6] instead of passed in ARGV[6]: a large one,
            written by a plain SET just before (a large value costs Redis far more passing
            through Lua). It is renamed into KEYS[5] if the record is created, deleted otherwise.
@@ -76,7 +77,7 @@ redis.call('HSET', KEYS[1],
   'created', fmt(now), 'updated', fmt(now), 'deadline', fmt(deadline), 'fp', fingerprint,
   'hist', '[["PENDING","' .. from .. '",' .. fmt(now) .. ']]')
 if size then redis.call('HSET', KEYS[1], 'esz', size) end
-if ARGV[14] and ARGV[14] ~= '' then redis.call('HSET', KEYS[1], 'sig', ARGV[14]) end
+if ARGV[14] and ARGV[14] ~= '' then redis.call('HSET', KEYS[1], 'rsig', ARGV[14]) end
 redis.call('SET', KEYS[2], '1', 'PXAT', fmt(deadline))
 redis.call('ZADD', KEYS[3], deadline, request_id)
 if to == '' then
