@@ -133,8 +133,9 @@ async def _routed(bus: HandoffBus, capabilities: dict[str, list[str]]) -> dict[s
     heads = sorted(set().union(*ends.values()))
     created = dict(zip(heads, await _created_times(bus, heads), strict=True))
     out: dict[str, dict[str, Any]] = {}
+    depth = {sid: int(replies[3 * i]) for i, sid in enumerate(sids)}
     for name, sids_of in served.items():
-        waiting = sum(int(replies[3 * sids.index(sid)]) for sid in sids_of)
+        waiting = sum(depth[sid] for sid in sids_of)
         times = [created[h] for sid in sids_of for h in ends[sid] if created[h]]
         out[name] = {"routed": waiting,
                      "oldest_routed_s": max(0.0, (now - min(times)) / 1000) if times else None}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -15,6 +16,8 @@ from .signing import SIGNED_RESPONSE_FIELDS, Keyring, response_body, unsigned_re
 
 __all__ = ["RESPONSE_FIELDS", "Loaded", "loaded_from_row", "poison_row", "record_from_hash", "response_from_fields",
            "response_from_reply", "text"]
+
+log = logging.getLogger("handoffbus")
 
 #: Order of the fields after the code in a transition script's reply (see lua/includes/record.lua).
 RESPONSE_FIELDS = (b"status", b"actor", b"ts", b"agent", b"reason", b"code", b"retry", b"redirect",
@@ -115,8 +118,19 @@ def _record_from_hash(f: Mapping[bytes, bytes], codec: PayloadCodec, keyring: Ke
         attempt=int(f.get(b"attempt", 1)),
         lease=f[b"lease"].decode() if b"lease" in f else None,
         route=route,
-        accepted_metadata=_metadata(handoff_id, f.get(b"ameta"), codec),
+        accepted_metadata=_accepted_metadata(handoff_id, f.get(b"ameta"), codec),
     )
+
+
+def _accepted_metadata(handoff_id: str, meta: bytes | None, codec: PayloadCodec) -> dict[str, Any]:
+    """The acceptance's metadata, kept past the later transitions; one this bus cannot read
+    (over its payload limit, say) is left out, with a warning, rather than make the whole
+    record unreadable: its current response is what a reader asked for."""
+    try:
+        return _metadata(handoff_id, meta, codec)
+    except HandoffbusError as exc:
+        log.warning("handoff %s: the acceptance's metadata cannot be read (%s); left out", handoff_id, exc)
+        return {}
 
 
 class Loaded(NamedTuple):

@@ -34,6 +34,7 @@ SCRIPT_NAMES = (
     "cancel",
     "status",
     "sweep",
+    "guard",
     "enqueue",
     "take",
     "settle",

@@ -19,6 +19,8 @@ import anyio
 from anyio.abc import TaskStatus
 from redis.exceptions import RedisClusterException, RedisError
 
+from .errors import HandoffbusError
+from .names import split_handoff_id
 from .plainreads import refuses_scripts
 from .routing import Reroute
 
@@ -124,7 +126,7 @@ class Sweeper:
                     await bus.settle_expired(by_target)
                 await bus.drop_routes(unrouted)
                 if lapsed:
-                    await bus.router.reroute(lapsed)
+                    await self._reroute(lapsed)
             batch.clear()
 
         async for raw in bus.redis.sscan_iter(bus.keys.requesters, count=500):
@@ -141,6 +143,30 @@ class Sweeper:
         if batch:
             await flush()
         return expired
+
+    async def _reroute(self, lapsed: list[Reroute]) -> None:
+        """Route lapsed offers and fired guards again. Should that fail (their set's node out of
+        reach during a failover), their guards are set again, in their requesters' slots, so that
+        a later sweep routes them then: the sweep took the guards out of the deadline index, and
+        nothing else would route them before they expired."""
+        bus = self._bus
+        try:
+            await bus.router.reroute(lapsed)
+            return
+        except (RedisError, OSError, HandoffbusError) as exc:
+            log.warning("expiry sweep: routing %d handoffs again failed (%s); their routing guards are set again",
+                        len(lapsed), exc)
+        by_requester: dict[str, list[str]] = defaultdict(list)
+        for item in lapsed:
+            requester, request_id = split_handoff_id(item.handoff_id)
+            by_requester[requester].append(request_id)
+        guard_ms = int(bus.config.route_guard * 1000)
+        replies = await bus.scripts_many([("guard", [bus.keys.deadlines(requester)], [guard_ms, *ids])
+                                          for requester, ids in by_requester.items()])
+        for requester, reply in zip(by_requester, replies, strict=True):
+            if isinstance(reply, BaseException):
+                log.warning("expiry sweep: the routing guards of %s could not be set again (%s); its handoffs "
+                            "wait for their deadlines", requester, reply)
 
     def _failed(self, requester: str, exc: BaseException) -> None:
         if requester in self._failing:

@@ -33,13 +33,12 @@ S = HandoffStatus
 # ---------------------------------------------------------------------- the expiry sweep
 
 
-async def test_a_guard_whose_routing_by_the_sweep_was_lost_is_set_again(
+async def test_a_guard_whose_routing_by_the_sweep_failed_is_set_again(
     backend: str, servers: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A requester died between its record and its routing, and when the guard fired, the
-    sweep's routing was lost too (the set's node out of reach during a failover): the guard
-    was gone, and the handoff waited in no queue until its deadline. Each firing sets it again,
-    twice as far off."""
+    sweep's routing failed too (the set's node out of reach during a failover): the guard was
+    gone, and the handoff waited in no queue until its deadline. The sweep sets it again."""
     async with make_bus(backend, servers, route_guard=0.2) as bus:
         async def no_route(*args: Any) -> list[Any]:
             return []  # the requester died before its route call
@@ -51,17 +50,17 @@ async def test_a_guard_whose_routing_by_the_sweep_was_lost_is_set_again(
                                                 RedisConnectionError("the set's node is out of reach"))
         monkeypatch.setattr(bus.router, "reroute", first_one_lost)
         queue = bus.keys.route(set_id("x")).queue
+        guard = f"o:{handle.request_id}"
         with anyio.fail_after(10):
-            while not lost.is_set() or await bus.redis.zscore(queue, handle.handoff_id) is None:
+            await lost.wait()
+            await bus.sweeper.wait_pass()  # the pass whose routing failed
+            assert await bus.redis.zscore(bus.keys.deadlines("req"), guard) is not None  # set again
+            while await bus.redis.zscore(queue, handle.handoff_id) is None:
                 await bus.sweeper.wait_pass()
-        request_id = handle.handoff_id.split("/")[1]
-        record = bus.keys.record("req", request_id).record
-        assert int(await bus.redis.hget(record, "gwait")) == 800  # 0.2 s, doubled at each of two firings
-        assert await bus.redis.zscore(bus.keys.deadlines("req"), f"o:{request_id}") is not None  # guarded still
+        assert await bus.redis.zscore(bus.keys.deadlines("req"), guard) is None  # routed: fired once more
         async with serving(bus, Specialist("cap-1", ["x"])):
             [outcome] = await outcomes([handle], limit=10)
         assert outcome.status is S.COMPLETED
-        assert await bus.redis.zscore(bus.keys.deadlines("req"), f"o:{request_id}") is None
 
 
 async def test_a_pull_with_fewer_free_slots_than_sets_finds_the_backlog_of_any(backend: str, servers: dict) -> None:

@@ -590,3 +590,20 @@ async def test_a_waiter_decided_before_its_requests_reply_was_read_has_no_deadli
     assert waiter.deadline_at is None
     waiter.set_deadline(1_000, 61_000)  # the request's own reply, read after the decision
     assert waiter.deadline_at is None
+
+
+@pytest.mark.parametrize("server", list(SERVER_BINARIES))
+async def test_a_record_stays_readable_when_the_acceptances_metadata_is_over_the_readers_limit(
+        server: str, servers: Servers) -> None:
+    # the record keeps the acceptance's metadata past later transitions; one over the reader's
+    # payload limit must not make the finished record unreadable (its outcome is small)
+    async with make_bus(server, servers) as large, \
+            make_bus(server, servers, prefix=large.config.prefix, payload_limit=100_000) as small:
+        handle = await small.client("a").request_handoff(req("a", "b"))
+        await large.client("b").accept_handoff(handle.handoff_id, metadata={"blob": b"x" * 200_000})
+        await large.client("b").complete_handoff(handle.handoff_id, result="done")
+        record = await small.client("a").get_handoff_status(handle.handoff_id)
+        assert record is not None and record.status is HandoffStatus.COMPLETED
+        assert record.response.result == "done" and record.accepted_metadata == {}
+        whole = await large.client("a").get_handoff_status(handle.handoff_id)
+        assert whole is not None and whole.accepted_metadata == {"blob": b"x" * 200_000}

@@ -206,6 +206,35 @@ async def test_a_stop_hands_back_what_waited_for_a_lane_and_keeps_what_was_accep
     assert worker._entries == {} and worker._active == 0
 
 
+async def test_a_stop_leaves_an_unstarted_handoff_due_for_dead_lettering_pending(real_bus: HandoffBus) -> None:
+    # reclaimed after more deliveries than max_deliveries (its handling kept killing workers),
+    # it would be dead-lettered; queued again by a stop, its delivery count started over
+    started = anyio.Event()
+
+    class Slow(Echo):
+        async def on_handoff_received(self, handoff: Any) -> Any:
+            started.set()
+            await anyio.sleep_forever()
+
+    client = real_bus.client("a")
+    for _ in range(2):
+        await client.request_handoff(req("a", Slow.agent_id))
+    worker = Worker(real_bus, Slow(), consumer="w1", concurrency=1, max_deliveries=5)
+    _, taken = await worker._inbox.take(2)
+    loaded = await worker._inbox.load([d.handoff_id for d in taken])
+    async with anyio.create_task_group() as tg:
+        lanes = Lanes(tg, 1)
+        worker._submit(lanes, taken[0], loaded[0])
+        worker._submit(lanes, taken[1], loaded[1], 6, reclaimed=True)  # its 6th delivery
+        with anyio.fail_after(10):
+            await started.wait()
+        tg.cancel_scope.cancel()
+    await worker._wind_down(lanes)
+    keys = real_bus.keys.target(Slow.agent_id)
+    assert await real_bus.redis.zrange(keys.queue, 0, -1) == []  # not queued again
+    assert (await real_bus.redis.xpending(keys.inbox, GROUP))["pending"] == 2  # both stay pending
+
+
 async def test_a_stop_hands_back_what_was_taken_but_could_not_be_loaded(real_bus: HandoffBus) -> None:
     # the take went through, the load failed, and the worker was told to stop while it backed
     # off: the handoff goes back to the queue now, not after the reclaim time

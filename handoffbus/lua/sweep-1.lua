@@ -13,8 +13,7 @@
   ARGV[5] ms for which an agent whose offer lapsed is passed over (others are offered first)
   ARGV[6] routing guard ms: a lapsed offer's "o:" entry is set that far ahead, not removed, so
           that if the caller's routing of it is lost (its reply, or the caller itself) the
-          sweep routes it once more then (as `reject` guards a refusal). A guard that fires is
-          set again, twice as far off each time (the record's `gwait`, at most GUARD_MAX)
+          sweep routes it once more then (as `reject` guards a refusal)
 
   Returns {expired count, lapsed count, (handoff id, to agent, capability set) per expired
   handoff, then per lapsed offer: handoff id, capability set, priority, created, deadline,
@@ -24,9 +23,6 @@
   Events: EXPIRED on <p>:{R}:responses for each expired handoff.
 ]]
 -- @include record
-
--- the longest a fired guard is set off again (ms)
-local GUARD_MAX = 300000
 
 local base = ARGV[1]
 -- the requester, from its slot's key prefix: a record's id must be its own ("<R>/<request id>"),
@@ -42,7 +38,7 @@ for _, member in ipairs(due) do
   local request_id = offer and string.sub(member, 3) or member
   local keys = {base .. 'h:' .. request_id, base .. 'p:' .. request_id, KEYS[1], base .. 'responses',
     base .. 'e:' .. request_id}
-  local rec = read_record(keys[1], {'to', 'chain', 'deferred', 'caps', 'gwait'})
+  local rec = read_record(keys[1], {'to', 'chain', 'deferred', 'caps'})
   if rec.status ~= 'PENDING' or rec.id ~= requester .. '/' .. request_id then
     redis.call('ZREM', KEYS[1], member)  -- decided, gone or not its own: a stale index entry
   elseif expire_if_due(keys, rec, request_id, now, retention_ms, response_retention_ms) then
@@ -57,14 +53,7 @@ for _, member in ipairs(due) do
       redis.call('HSET', keys[1], 'to', '', 'deferred', defer(rec.deferred, rec.to, now + tonumber(ARGV[5] or 0)))
       redis.call('ZADD', KEYS[1], now + tonumber(ARGV[6] or 0), member)  -- the guard (assign replaces it)
     else
-      -- a guard fired (the routing it covers may be lost: a requester that died after its
-      -- record, a refusal whose routing on failed): routed again now, and guarded again, twice
-      -- as far off each time (at most GUARD_MAX), in case this routing is lost too (the set's
-      -- node out of reach). Routing a handoff its set's queue holds already changes nothing;
-      -- an offer (assign) replaces the guard
-      local wait = math.min(math.max(tonumber(rec.gwait) or 0, tonumber(ARGV[6] or 0), 1) * 2, GUARD_MAX)
-      redis.call('HSET', keys[1], 'gwait', wait)
-      redis.call('ZADD', KEYS[1], now + wait, member)
+      redis.call('ZREM', KEYS[1], member)  -- a guard: routed again now, once
     end
     local info = route_info(keys[1])
     for i = 1, #info do lapsed[#lapsed + 1] = info[i] end

@@ -228,9 +228,11 @@ class Worker:
         start more than the concurrency): nothing was sent for them, so a PENDING one goes back
         to the queue and an ended one is settled, as ``_handle`` would; what it would work on or
         dead-letter stays pending, to be reclaimed."""
-        for delivery, row, _deliveries, reclaimed in lanes.unstarted():
+        for delivery, row, deliveries, reclaimed in lanes.unstarted():
             self._active -= 1
             self._entries.pop(delivery.handoff_id, None)
+            if deliveries > self.max_deliveries:
+                continue  # due to be dead-lettered: queued again, its count would start over
             self._after_unstarted(delivery.handoff_id, row, reclaimed)
 
     def _after_unstarted(self, hid: str, row: Loaded | None, reclaimed: bool) -> None:
