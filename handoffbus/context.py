@@ -31,7 +31,9 @@ _ENTRY_FIELDS = ("role", "content", "timestamp", "tool_call_id", "name", "metada
 
 
 class ConversationEntry(msgspec.Struct, frozen=True, kw_only=True):
-    """One message of the conversation. Keys sw4rm does not name are kept in ``extra``."""
+    """One message of the conversation. Keys sw4rm does not name are kept in ``extra``, and so
+    is an optional key read as null (sw4rm writes what its dict holds): written back as null,
+    in its place, so that the bytes read are the bytes written."""
 
     role: str
     content: str
@@ -47,7 +49,9 @@ class ConversationEntry(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
-        out.update(self.extra)
+            elif key in self.extra:  # read as null
+                out[key] = None
+        out.update((k, v) for k, v in self.extra.items() if k not in out)
         return out
 
     @classmethod
@@ -57,7 +61,7 @@ class ConversationEntry(msgspec.Struct, frozen=True, kw_only=True):
             entry = msgspec.convert(known, cls, strict=True)
         except msgspec.ValidationError as exc:
             raise DecodeError(f"invalid conversation entry: {exc}") from None
-        extra = {k: v for k, v in data.items() if k not in _ENTRY_FIELDS}
+        extra = {k: v for k, v in data.items() if k not in _ENTRY_FIELDS or (v is None and k not in _ENTRY_FIELDS[:2])}
         return msgspec.structs.replace(entry, extra=extra) if extra else entry
 
 

@@ -165,3 +165,12 @@ def test_json_schema_is_sw4rm_schema() -> None:
     assert schema["required"] == ["conversation_history", "tool_state", "metadata"]
     assert schema["properties"]["conversation_history"]["items"]["required"] == ["role", "content"]
     json.dumps(schema)  # exportable as is
+
+
+def test_an_optional_key_read_as_null_is_written_back_as_null() -> None:
+    # sw4rm writes what its dicts hold: a null timestamp or metadata came back without its key
+    data = (b'{"conversation_history":[{"role":"user","content":"x","timestamp":null,"metadata":null},'
+            b'{"role":"tool","content":"y","tool_call_id":null,"name":"f","extra":1}],"tool_state":{},"metadata":{}}')
+    context = deserialize_context(data)
+    assert context.conversation_history[0].timestamp is None and context.conversation_history[1].name == "f"
+    assert serialize_context(context) == data

@@ -80,7 +80,9 @@ async def test_context_policies() -> None:
     assert [e.content for e in trimmed.conversation_history] == ["1200 EUR", "and my card limit?"]
     assert trimmed.metadata == {"session": "s-1", "original_history_length": 6, "trimmed": True}
     untouched = await apply_context_policy(ctx, ContextPolicy(max_history=10))
-    assert "trimmed" not in untouched.metadata and untouched.conversation_history == ctx.conversation_history
+    assert untouched.conversation_history == ctx.conversation_history  # recorded all the same, as sw4rm does
+    assert untouched.metadata == {"session": "s-1", "original_history_length": 6, "trimmed": False}
+    assert "trimmed" not in (await apply_context_policy(ctx, ContextPolicy())).metadata  # no max_history
     dropped = await apply_context_policy(ctx, ContextPolicy(drop_tool_results=True))
     assert [e.role for e in dropped.conversation_history] == ["system", "user", "assistant", "assistant", "user"]
     with pytest.raises(ValueError):

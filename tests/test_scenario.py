@@ -60,6 +60,18 @@ def test_bad_scenarios_are_refused_at_load(change: str, message: str) -> None:
         Scenario.from_yaml("\n".join(lines))
 
 
+def test_agents_start_agent_and_an_edges_tool_are_optional_as_in_the_format() -> None:
+    # the scenario format: start_agent optional, agents empty = all; an edge may name its tool
+    scenario = Scenario.from_yaml("name: s\nhandoffs:\n  - {from_agent: A, to_agent: B, tool: handoff_to_agent}\n"
+                                  "  - {from_agent: B, to_agent: C}\n")
+    assert scenario.agent_names == ["A", "B", "C"] and scenario.start_agent == ""
+    assert scenario.governs("C") and not scenario.governs("D")
+    assert scenario.route("A", "B") is not None and scenario.route("A", "B").tool == "handoff_to_agent"  # type: ignore[union-attr]
+    assert scenario.targets("B") == ["C"] and scenario.route("A", "C") is None
+    with pytest.raises(ScenarioError, match="agent id"):
+        Scenario.from_yaml("name: s\nhandoffs:\n  - {from_agent: 'a b', to_agent: B}\n")
+
+
 def test_unreadable_scenarios() -> None:
     with pytest.raises(ScenarioError, match="cannot read scenario"):
         Scenario.load("/nonexistent/scenario.yaml")

@@ -4,7 +4,8 @@
   ``preserveContext``).
 - ``transfer_system_message=False``: system messages stay behind (llm4s).
 - ``max_history=N``: the last N entries go. The context's metadata records
-  ``original_history_length`` and ``trimmed`` (sw4rm's guidance on large contexts).
+  ``original_history_length`` and ``trimmed`` (sw4rm's guidance on large contexts), whether
+  it trimmed or not.
 - ``drop_tool_results``: results of tool calls that completed stay behind (entries with
   role ``tool``).
 - ``input_filters``: callables (plain or async) from context to context, applied last in
@@ -100,9 +101,9 @@ async def apply_context_policy(context: HandoffContext, policy: ContextPolicy | 
         history = [e for e in history if e.role != "system"]
     if policy.drop_tool_results:
         history = [e for e in history if e.role != "tool"]
-    if policy.max_history is not None and len(history) > policy.max_history:
+    if policy.max_history is not None:  # recorded whether it trims or not, as sw4rm's guidance does
         metadata["original_history_length"] = len(context.conversation_history)
-        metadata["trimmed"] = True
+        metadata["trimmed"] = len(history) > policy.max_history
         history = history[-policy.max_history:]
     result = msgspec.structs.replace(context, conversation_history=history, metadata=metadata)
     for each in filters:

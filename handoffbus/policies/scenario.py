@@ -64,6 +64,9 @@ class Route(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     handoff_condition: str = ""
     #: name -> Jinja2 template, rendered when the handoff is made
     context_vars: dict[str, str] = {}
+    #: the tool that triggers this route, as the scenario format names it (kept, not used: the
+    #: handoff tool is ``handoff_to_agent`` for every route)
+    tool: str = ""
 
 
 class HandoffResolution(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,8 +92,10 @@ class HandoffResolution(msgspec.Struct, frozen=True, kw_only=True):
 
 class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: str
-    start_agent: str
-    agents: list[str | AgentProfile]
+    #: where a conversation starts (optional, as in the scenario format)
+    start_agent: str = ""
+    #: the scenario's agents; empty (the format's "all"): every agent its handoffs name
+    agents: list[str | AgentProfile] = []
     description: str = ""
     handoff_type: HandoffType = "announced"
     handoffs: list[Route] = []
@@ -101,14 +106,14 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     def __post_init__(self) -> None:
         names = [a if isinstance(a, str) else a.name for a in self.agents]
         try:
-            for name in [*names, self.start_agent]:
+            for name in [*(names or self.agent_names), *([self.start_agent] if self.start_agent else [])]:
                 check_name(name, "agent id")
         except InvalidRequest as exc:
             raise ScenarioError(f"scenario {self.name!r}: {exc}") from None
         if len(set(names)) != len(names):
             raise ScenarioError(f"scenario {self.name!r}: an agent is listed twice")
-        known = set(names)
-        if self.start_agent not in known:
+        known = set(self.agent_names)
+        if self.start_agent and self.start_agent not in known:
             raise ScenarioError(f"scenario {self.name!r}: start_agent {self.start_agent!r} is not one of its agents")
         seen: set[tuple[str, str]] = set()
         for route in self.handoffs:
@@ -146,7 +151,13 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     @property
     def agent_names(self) -> list[str]:
-        return [a if isinstance(a, str) else a.name for a in self.agents]
+        """The listed agents; with none listed, the start agent and every agent a handoff names."""
+        if self.agents:
+            return [a if isinstance(a, str) else a.name for a in self.agents]
+        named = [self.start_agent] if self.start_agent else []
+        for route in self.handoffs:
+            named += [route.from_agent, route.to_agent]
+        return list(dict.fromkeys(named))
 
     def profile(self, agent: str) -> AgentProfile:
         for entry in self.agents:
