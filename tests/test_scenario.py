@@ -188,6 +188,24 @@ async def test_a_route_not_in_the_scenario_is_refused_before_anything_is_queued(
         await bus.client("stranger-1").request_handoff(req("stranger-1", "other-1"))
 
 
+async def test_a_routed_request_from_outside_never_reaches_a_scenario_agent(backend: str, servers: dict) -> None:
+    # refused by name, the same request by capabilities reached Concierge around the scenario
+    class Capable(BankAgent):
+        capabilities = ["banking"]
+
+    async with make_bus(backend, servers, policy=HandoffPolicy(banking())) as bus:
+        concierge, outsider = Capable("Concierge"), Capable("helpdesk-1")
+        async with serving(bus, concierge, outsider):
+            agents = {a.agent_id: a.capabilities for a in await bus.client("stranger-1").list_agents()}
+            assert agents == {"Concierge": [], "helpdesk-1": ["banking"]}  # governed: serves no set
+            handle = await bus.client("stranger-1").request_handoff(msgspec.structs.replace(
+                req("stranger-1", ""), capabilities_required=["banking"]))
+            with anyio.fail_after(10):
+                outcome = await handle.outcome()
+        assert outcome.status.value == "COMPLETED" and outcome.accepting_agent == "helpdesk-1"
+        assert concierge.received == []
+
+
 class BankAgent(Agent):
     """Records what it received; completes with its name."""
 

@@ -113,7 +113,12 @@ class Worker:
         self._inbox = Inbox(bus, agent.agent_id, self.consumer)
         self._keeper = Keeper(bus, self._inbox, self._entries, self._log)
         self._steps = Steps(bus, agent, self._keeper, self._entries, self._log)
-        self._routes = RouteFeed(bus, agent.agent_id, list(agent.capabilities), self.consumer)
+        # an agent a scenario governs is reached by its scenario's edges only: routed by
+        # capabilities, a handoff from any agent would reach it, around the scenario's routes
+        scenario = bus.policy.scenario if bus.policy is not None else None
+        self.capabilities = [] if scenario is not None and scenario.governs(agent.agent_id) \
+            else sorted(set(agent.capabilities))
+        self._routes = RouteFeed(bus, agent.agent_id, self.capabilities, self.consumer)
         self._inbox_key = bus.keys.target(agent.agent_id).inbox
         self._done: list[str] = []
         #: the fetch loop is blocked waiting for work: finished handoffs are settled at once then
@@ -282,7 +287,7 @@ class Worker:
         ttl_ms = 0 if leave else int(self.beat * 3000)
         info = msgspec.json.encode({
             "consumer": self.consumer, "state": str(self.state), "load": self._active, "limit": self.concurrency,
-            "capabilities": sorted(set(self.agent.capabilities)), "started_ms": self._started_ms,
+            "capabilities": self.capabilities, "started_ms": self._started_ms,
             "ttl_ms": ttl_ms, "offer_ms": int(self.bus.config.offer_time * 1000),
         })
         beat = await self.bus.script(
