@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 import anyio
 import pytest
@@ -25,7 +26,7 @@ from handoffbus.integrations.openai_agents import ITEMS_KEY, context_to_items, i
 from handoffbus.policies import ContextPolicy, HandoffPolicy, remove_all_tools
 
 from .conftest import make_bus
-from .helpers import handoffbus_process, req
+from .helpers import handoffbus_process, req, serving
 
 pytestmark = pytest.mark.anyio
 
@@ -148,3 +149,45 @@ async def test_an_sdk_handoff_to_an_agent_in_another_process(servers: dict) -> N
     assert [e.role for e in context.conversation_history] == ["user", "assistant", "tool"]
     assert context.conversation_history[0].content == "I was charged twice for my order"
     assert plain.final_output == "billing saw 1 items ['message']; the customer said: refund please"
+
+
+async def test_an_sdk_agents_onward_handoff_carries_the_hop_chain(backend: str, servers: dict) -> None:
+    # b-1's SDK run hands on to c-1: the new request started a hop chain of its own, so the loop
+    # guards (max_depth, cycles) never saw the chain and two SDK agents could hand a
+    # conversation back and forth for ever
+    from handoffbus.integrations.openai_agents import SdkAgent
+    from handoffbus.workers import Agent as BusAgent
+    from handoffbus.workers import ReceivedHandoff
+
+    class Leaf(BusAgent):
+        agent_id = "c-1"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.received: list[ReceivedHandoff] = []
+
+        async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+            self.received.append(handoff)
+            return {"output": "leaf answered"}
+
+    async with make_bus(backend, servers) as bus:
+        middle = Agent(name="b-1", handoffs=[remote_agent(bus, "b-1", "c-1", name="c-1")],
+                       model=ScriptedModel([[function_call("transfer_to_c_1", {}, call_id="h1")]]))
+        leaf = Leaf()
+        async with serving(bus, SdkAgent(middle, agent_id="b-1"), leaf):
+            handle = await bus.client("a-1").request_handoff(req("a-1", "b-1"))
+            with anyio.fail_after(20):
+                outcome = await handle.outcome()
+        assert outcome.status is HandoffStatus.COMPLETED
+        [onward] = leaf.received
+        assert onward.request.from_agent == "b-1" and onward.hops == ["a-1"]
+    async with make_bus(backend, servers, policy=HandoffPolicy(max_depth=1)) as bus:
+        middle = Agent(name="b-1", handoffs=[remote_agent(bus, "b-1", "c-1", name="c-1")],
+                       model=ScriptedModel([[function_call("transfer_to_c_1", {}, call_id="h1")]]))
+        leaf = Leaf()
+        async with serving(bus, SdkAgent(middle, agent_id="b-1"), leaf):
+            handle = await bus.client("a-1").request_handoff(req("a-1", "b-1"))  # depth 1: allowed
+            with anyio.fail_after(20):
+                outcome = await handle.outcome()
+        assert outcome.status is HandoffStatus.FAILED and "MAX_DEPTH" in (outcome.error or "")
+        assert leaf.received == []  # b-1 -> c-1 is a second hop: refused

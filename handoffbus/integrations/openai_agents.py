@@ -22,6 +22,7 @@ COMPLETED result (``{"output": ..., "agent": <last agent>}``). From the command 
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 import re
@@ -154,6 +155,11 @@ def _model_base() -> type:
     return _sdk().models.interface.Model  # type: ignore[no-any-return]
 
 
+#: the handoff an SdkAgent's run serves (each handler runs in a context of its own: see lanes.py)
+_serving: contextvars.ContextVar[ReceivedHandoff | None] = contextvars.ContextVar("handoffbus_sdk_serving",
+                                                                                  default=None)
+
+
 class RemoteAgentModel:
     """An SDK ``Model`` that answers by handing the conversation to an agent on the bus."""
 
@@ -170,9 +176,18 @@ class RemoteAgentModel:
         from openai.types.responses import ResponseOutputMessage, ResponseOutputText
 
         context = items_to_context(input, reason=self.reason)
-        handle = await self.bus.client(self.from_agent).request_handoff(HandoffRequest(
-            from_agent=self.from_agent, to_agent=self.to_agent, reason=self.reason,
-            context_snapshot=serialize_context(context), priority=self.priority, timeout=self.timeout))
+        serving = _serving.get()
+        if serving is not None and serving.client is not None and serving.client.agent_id == self.from_agent:
+            # handed on from the handoff this agent serves: the hop chain goes along, so the
+            # loop guards see the whole chain (two SDK agents could hand a conversation back
+            # and forth for ever otherwise)
+            request = serving.onward(self.to_agent, self.reason, context, priority=self.priority,
+                                     timeout=self.timeout)
+        else:
+            request = HandoffRequest(from_agent=self.from_agent, to_agent=self.to_agent, reason=self.reason,
+                                     context_snapshot=serialize_context(context), priority=self.priority,
+                                     timeout=self.timeout)
+        handle = await self.bus.client(self.from_agent).request_handoff(request)
         outcome = await handle.outcome()
         if outcome.status is not HandoffStatus.COMPLETED:
             detail = outcome.error or outcome.rejection_reason or outcome.status.value
@@ -209,7 +224,11 @@ class SdkAgent(Agent):
 
     async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
         sdk = _sdk()
-        result = await sdk.Runner.run(self.sdk_agent, context_to_items(handoff.context, handoff.request.reason))
+        serving = _serving.set(handoff)  # what a remote agent the run hands to is handed on from
+        try:
+            result = await sdk.Runner.run(self.sdk_agent, context_to_items(handoff.context, handoff.request.reason))
+        finally:
+            _serving.reset(serving)
         output = result.final_output
         return {"output": output if isinstance(output, str | int | float | bool | None) else str(output),
                 "agent": result.last_agent.name}
