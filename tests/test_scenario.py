@@ -206,6 +206,20 @@ async def test_a_routed_request_from_outside_never_reaches_a_scenario_agent(back
         assert concierge.received == []
 
 
+async def test_the_sessions_greeting_override_is_the_explicit_greeting(backend: str, servers: dict) -> None:
+    # the voice-agent service's order: session_overrides.greeting first, then the profile's
+    async with make_bus(backend, servers, policy=HandoffPolicy(banking())) as bus:
+        client = bus.client("Concierge")
+        for override in ("Hello Ada, security desk here.", None):
+            metadata = {"session_overrides": {"greeting": override}} if override else {}
+            await client.request_handoff(req("Concierge", "AuthAgent", context_snapshot=_context(
+                ("user", "hi"), **metadata)))
+        greetings = [p.request.metadata[RESOLUTION_KEY]["greeting"]
+                     for p in await bus.client("AuthAgent").get_pending_handoffs()]
+    assert sorted(greetings) == ["Hello Ada, security desk here.",
+                                 "I need to verify your identity before we continue."]
+
+
 class BankAgent(Agent):
     """Records what it received; completes with its name."""
 

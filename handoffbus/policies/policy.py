@@ -102,16 +102,19 @@ class HandoffPolicy:
         metadata = dict(request.metadata)
         scenario = self.scenario
         resolution = None
-        if scenario is not None and request.to_agent and scenario.route(request.from_agent, request.to_agent):
-            visited = [*hops_of(metadata), request.from_agent]
-            resolution = scenario.resolve(request.from_agent, request.to_agent, visited=visited, variables={
-                "handoff_reason": request.reason, **(variables or {})})
-        if resolution is not None:
-            metadata[RESOLUTION_KEY] = msgspec.to_builtins(resolution)
         snapshot = request.context_snapshot
-        if snapshot is not None and (resolution is not None or self.shapes_context):
+        on_route = scenario is not None and request.to_agent and scenario.route(request.from_agent, request.to_agent)
+        context = None
+        if snapshot is not None and (on_route or self.shapes_context):
             context = context_to_shape(snapshot, limit=bus.config.payload_limit,
                                        shaper=f"handoff {handoff_id}'s policy")
+        if scenario is not None and on_route:
+            visited = [*hops_of(metadata), request.from_agent]
+            resolution = scenario.resolve(request.from_agent, request.to_agent, visited=visited, variables={
+                "handoff_reason": request.reason, **(variables or {})}, greeting=_greeting_override(context))
+        if resolution is not None:
+            metadata[RESOLUTION_KEY] = msgspec.to_builtins(resolution)
+        if context is not None:
             context = await self._shape(bus, request, context, resolution)
             snapshot = serialize_context(context)
         return msgspec.structs.replace(request, metadata=metadata, context_snapshot=snapshot)
@@ -136,3 +139,12 @@ class HandoffPolicy:
         if self.offload_over is not None:
             context = await offload(bus, request.from_agent, context, threshold=self.offload_over)
         return context
+
+
+def _greeting_override(context: HandoffContext | None) -> str | None:
+    """The session's explicit greeting, as the voice-agent service takes it: the context's
+    ``session_overrides.greeting`` (sanitised out of what the target receives, with the other
+    control flags)."""
+    overrides = context.metadata.get("session_overrides") if context is not None else None
+    greeting = overrides.get("greeting") if isinstance(overrides, dict) else None
+    return greeting if isinstance(greeting, str) and greeting else None
