@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -172,31 +173,48 @@ async def test_a_handoff_waiting_for_a_lane_is_kept_fresh_by_the_heartbeat(real_
     assert worker._entries == {}
 
 
+class _Stuck(Echo):
+    """Once it starts on a handoff, works on it for good."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = anyio.Event()
+
+    async def on_handoff_received(self, handoff: Any) -> Any:
+        self.started.set()
+        await anyio.sleep_forever()
+
+
+async def _stopped_while_one_works(
+    worker: Worker, count: int, start: Callable[[Lanes, list[Delivery], list[Any]], None],
+    meanwhile: Callable[[], Awaitable[Any]] | None = None,
+) -> None:
+    """The worker (concurrency 1, a ``_Stuck`` agent) takes ``count`` handoffs and ``start``s
+    them on one lane (``meanwhile`` runs first): the first works for good, the others wait for
+    the lane. Then its handlers stop and it winds down."""
+    _, taken = await worker._inbox.take(count)
+    loaded = await worker._inbox.load([d.handoff_id for d in taken])
+    if meanwhile is not None:
+        await meanwhile()
+    assert isinstance(worker.agent, _Stuck)
+    async with anyio.create_task_group() as tg:
+        lanes = Lanes(tg, 1)
+        start(lanes, taken, loaded)
+        with anyio.fail_after(10):
+            await worker.agent.started.wait()
+        tg.cancel_scope.cancel()
+    await worker._wind_down(lanes)
+
+
 async def test_a_stop_hands_back_what_waited_for_a_lane_and_keeps_what_was_accepted(real_bus: HandoffBus) -> None:
     # a reclaim started more than the concurrency and the worker stopped: the handoff that never
     # reached a lane goes back to the queue at once (no reclaim wait), the one accepted stays
     # pending, and one cancelled meanwhile is settled, not queued again
-    started = anyio.Event()
-
-    class Slow(Echo):
-        async def on_handoff_received(self, handoff: Any) -> Any:
-            started.set()
-            await anyio.sleep_forever()
-
     client = real_bus.client("a")
-    running, waiting, cancelled = [await client.request_handoff(req("a", Slow.agent_id)) for _ in range(3)]
-    worker = Worker(real_bus, Slow(), consumer="w1", concurrency=1)
-    _, taken = await worker._inbox.take(3)
-    loaded = await worker._inbox.load([d.handoff_id for d in taken])
-    await cancelled.cancel()
-    async with anyio.create_task_group() as tg:
-        lanes = Lanes(tg, 1)
-        worker._start(lanes, taken, loaded)
-        with anyio.fail_after(10):
-            await started.wait()
-        tg.cancel_scope.cancel()
-    await worker._wind_down(lanes)
-    keys = real_bus.keys.target(Slow.agent_id)
+    running, waiting, cancelled = [await client.request_handoff(req("a", _Stuck.agent_id)) for _ in range(3)]
+    worker = Worker(real_bus, _Stuck(), consumer="w1", concurrency=1)
+    await _stopped_while_one_works(worker, 3, worker._start, cancelled.cancel)
+    keys = real_bus.keys.target(_Stuck.agent_id)
     assert await real_bus.redis.zrange(keys.queue, 0, -1) == [waiting.handoff_id.encode()]
     assert await real_bus.redis.hkeys(keys.inflight) == [running.handoff_id.encode()]
     pending = await real_bus.redis.xpending_range(keys.inbox, GROUP, min="-", max="+", count=10)
@@ -209,28 +227,16 @@ async def test_a_stop_hands_back_what_waited_for_a_lane_and_keeps_what_was_accep
 async def test_a_stop_leaves_an_unstarted_handoff_due_for_dead_lettering_pending(real_bus: HandoffBus) -> None:
     # reclaimed after more deliveries than max_deliveries (its handling kept killing workers),
     # it would be dead-lettered; queued again by a stop, its delivery count started over
-    started = anyio.Event()
-
-    class Slow(Echo):
-        async def on_handoff_received(self, handoff: Any) -> Any:
-            started.set()
-            await anyio.sleep_forever()
-
-    client = real_bus.client("a")
     for _ in range(2):
-        await client.request_handoff(req("a", Slow.agent_id))
-    worker = Worker(real_bus, Slow(), consumer="w1", concurrency=1, max_deliveries=5)
-    _, taken = await worker._inbox.take(2)
-    loaded = await worker._inbox.load([d.handoff_id for d in taken])
-    async with anyio.create_task_group() as tg:
-        lanes = Lanes(tg, 1)
+        await real_bus.client("a").request_handoff(req("a", _Stuck.agent_id))
+    worker = Worker(real_bus, _Stuck(), consumer="w1", concurrency=1, max_deliveries=5)
+
+    def start(lanes: Lanes, taken: list[Delivery], loaded: list[Any]) -> None:
         worker._submit(lanes, taken[0], loaded[0])
         worker._submit(lanes, taken[1], loaded[1], 6, reclaimed=True)  # its 6th delivery
-        with anyio.fail_after(10):
-            await started.wait()
-        tg.cancel_scope.cancel()
-    await worker._wind_down(lanes)
-    keys = real_bus.keys.target(Slow.agent_id)
+
+    await _stopped_while_one_works(worker, 2, start)
+    keys = real_bus.keys.target(_Stuck.agent_id)
     assert await real_bus.redis.zrange(keys.queue, 0, -1) == []  # not queued again
     assert (await real_bus.redis.xpending(keys.inbox, GROUP))["pending"] == 2  # both stay pending
 
