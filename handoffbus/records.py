@@ -203,12 +203,15 @@ def check_belongs(handoff_id: str, row: Sequence[Any], request: HandoffRequest) 
 def check_request(keyring: Keyring, row: Sequence[Any], env: bytes, *, window: bool = True) -> None:
     """Check the signature of a ``load`` reply's request over the stored bytes (routed
     requests were signed with no target: the record's target is set later, by routing);
-    ``window``: within the replay window too."""
+    ``window``: signed within the replay window of the record's creation too."""
     created, deadline, hid, sender, to, routed, caps, sig, now = (
         v.decode() if isinstance(v, bytes) else v for v in row[4:13])
     parts = [hid or "", sender or "", "" if routed == "1" else (to or ""), caps or "",
              str(int(deadline or 0) - int(created or 0))]
-    keyring.verify(sig, sender or "", "request", parts, env, int(now), window=window)
+    # the window bounds the signing against the record's creation (Redis time when it was
+    # written), not against this read: a request that waits in a long queue is not stale, and
+    # one replayed later as a new request is created later than it was signed
+    keyring.verify(sig, sender or "", "request", parts, env, int(created or 0) or int(now), window=window)
 
 
 def check_response(keyring: Keyring, handoff_id: str, f: Mapping[bytes, bytes]) -> None:

@@ -14,8 +14,9 @@ with newlines is unambiguous. The signature travels as ``v1.<key id>.<ms>.<hex>`
 Keys: each agent has one or more keys; a key signs for its own agent only, which is how a
 spoofed sender is caught. Rotation: list the new and the old key of an agent; the newest
 key (last listed) signs, and both verify until the old one is removed. Replays: a request
-signed longer ago than ``replay_window`` is refused, and within the window its handoff id
-is its dedupe key (a resubmission returns the existing handoff, never a second one).
+signed longer than ``replay_window`` before its record was created is refused, and within
+the window its handoff id is its dedupe key (a resubmission returns the existing handoff,
+never a second one). How long it then waits in a queue is its deadline's business.
 """
 
 from __future__ import annotations

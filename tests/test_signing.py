@@ -131,6 +131,25 @@ async def test_a_resubmitted_signed_request_is_one_handoff(real_backend: str, se
     assert agent.calls == ["decide once", "work once"]  # handled once
 
 
+async def test_a_signed_request_that_waited_in_the_queue_past_the_window_is_handled(
+        real_backend: str, servers: dict) -> None:
+    # the window was measured to the worker's read: a queue longer than the window (5 min by
+    # default) dead-lettered every request in it as stale, though none was a replay
+    prefix = new_prefix()
+    agent = Watchful()
+    verifier = Keyring([REQ_NEW, WORKER], replay_window=0.1)
+    async with make_bus(real_backend, servers, prefix=prefix, keyring=verifier) as bus:
+        handle = await bus.client("req").request_handoff(req("req", "watch-1", reason="r"))
+        await anyio.sleep(0.3)  # it waits in the queue longer than the window: the subject, not a sync
+        async with anyio.create_task_group() as tg:
+            worker = Worker(bus, agent)
+            await tg.start(worker.run)
+            with anyio.fail_after(10):
+                outcome = await handle.outcome()
+            worker.drain()
+    assert outcome.status is HandoffStatus.COMPLETED and agent.calls == ["decide r", "work r"]
+
+
 def test_keys_are_checked() -> None:
     with pytest.raises(Exception, match="at least 32 bytes"):
         SigningKey(key_id="k", agent="a", secret=b"short")
