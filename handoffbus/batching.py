@@ -25,7 +25,7 @@ from anyio.abc import TaskStatus
 from .cluster import ClusterSender, is_cluster
 from .errors import HandoffbusError, ScriptsFlushed
 from .scripts import GET, SET, Reload, Script, Scripts
-from .wire import Group, Line, ScriptCall, no_script, unsendable
+from .wire import Group, Line, ScriptCall, no_script, unsendable, with_unsendable
 
 __all__ = ["ScriptBatcher"]
 
@@ -149,8 +149,7 @@ class ScriptBatcher:
                     else:
                         assert call.script is SET
                         pipe.execute_command("SET", *call.keys, *call.args)
-                answers = iter(await pipe.execute(raise_on_error=False) if sent else [])
-                return [errors[i] if i in errors else next(answers) for i in range(len(batch))]
+                return with_unsendable(errors, await pipe.execute(raise_on_error=False) if sent else [], len(batch))
         return await line.exchange(batch)
 
     async def _send(self, batch: list[ScriptCall], line: Line | None) -> None:

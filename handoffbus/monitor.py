@@ -115,7 +115,7 @@ async def _routed(bus: HandoffBus, capabilities: dict[str, list[str]]) -> dict[s
     """Per agent: ``routed`` and ``oldest_routed_s`` over the capability sets it serves."""
     if not any(capabilities.values()):
         return {}
-    sets = await _sets(bus)
+    sets = await bus.router.sets()
     served = {name: [sid for sid, caps in sets.items() if serves(caps_of, caps)]
               for name, caps_of in capabilities.items()}
     sids = sorted({sid for sids in served.values() for sid in sids})
@@ -140,12 +140,6 @@ async def _routed(bus: HandoffBus, capabilities: dict[str, list[str]]) -> dict[s
         out[name] = {"routed": waiting,
                      "oldest_routed_s": max(0.0, (now - min(times)) / 1000) if times else None}
     return out
-
-
-async def _sets(bus: HandoffBus) -> dict[str, str]:
-    """The capability sets requests were routed by: set id -> capabilities (comma-separated)."""
-    table = await bus.redis.hgetall(bus.keys.routes)
-    return {text(sid): text(caps) for sid, caps in table.items()}
 
 
 async def observe(bus: HandoffBus, agent: str) -> AgentView:

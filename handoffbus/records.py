@@ -151,8 +151,8 @@ def loaded_from_row(
     row: Sequence[Any], codec: PayloadCodec, keyring: Keyring | None = None, handoff_id: str | None = None
 ) -> Loaded | None:
     """Decode a ``load`` script reply; None when the record is gone. Never raises for bad data.
-    With a keyring, the request's signature is checked before its payload is decoded (a
-    PENDING one's within the replay window; an accepted one's, which a takeover runs, at all).
+    With a keyring, the request's signature is checked before its payload is decoded, an
+    accepted one's too (a takeover runs it).
     Given the ``handoff_id`` it was read as, a record that names another handoff, or whose
     request is not its requester's own, is poison (see ``check_belongs``)."""
     status, env, agent, attempt, created, deadline = row[:6]
@@ -166,8 +166,8 @@ def loaded_from_row(
     except ValueError as exc:  # an unreadable number or agent id poisons the record like a bad envelope
         return poison_row(exc)
     try:
-        if keyring is not None:  # the replay window only before acceptance: a takeover runs it later
-            check_request(keyring, row, env or b"", window=status == b"PENDING")
+        if keyring is not None:  # accepted ones too: a takeover runs them
+            check_request(keyring, row, env or b"")
         request = codec.loads(env or b"", HandoffRequest)
         if handoff_id is not None:
             check_belongs(handoff_id, row, request)
@@ -200,10 +200,10 @@ def check_belongs(handoff_id: str, row: Sequence[Any], request: HandoffRequest) 
                              f"to {request.to_agent!r}")
 
 
-def check_request(keyring: Keyring, row: Sequence[Any], env: bytes, *, window: bool = True) -> None:
+def check_request(keyring: Keyring, row: Sequence[Any], env: bytes) -> None:
     """Check the signature of a ``load`` reply's request over the stored bytes (routed
-    requests were signed with no target: the record's target is set later, by routing);
-    ``window``: signed within the replay window of the record's creation too."""
+    requests were signed with no target: the record's target is set later, by routing), and
+    that it was signed within the replay window of the record's creation."""
     created, deadline, hid, sender, to, routed, caps, sig, now = (
         v.decode() if isinstance(v, bytes) else v for v in row[4:13])
     parts = [hid or "", sender or "", "" if routed == "1" else (to or ""), caps or "",
@@ -211,7 +211,7 @@ def check_request(keyring: Keyring, row: Sequence[Any], env: bytes, *, window: b
     # the window bounds the signing against the record's creation (Redis time when it was
     # written), not against this read: a request that waits in a long queue is not stale, and
     # one replayed later as a new request is created later than it was signed
-    keyring.verify(sig, sender or "", "request", parts, env, int(created or 0) or int(now), window=window)
+    keyring.verify(sig, sender or "", "request", parts, env, int(created or 0) or int(now))
 
 
 def check_response(keyring: Keyring, handoff_id: str, f: Mapping[bytes, bytes]) -> None:

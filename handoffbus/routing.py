@@ -29,7 +29,7 @@ from .config import MAX_PRIORITY
 from .errors import raise_for_code
 from .models import AgentInfo, HandoffResponse, HandoffStatus, WorkerInfo
 from .names import check_names, split_handoff_id
-from .records import response_from_reply
+from .records import response_from_reply, text
 from .registered import Registered
 
 if TYPE_CHECKING:
@@ -200,6 +200,12 @@ class Router:
         self.directory = Directory(bus)
         #: the sets this process has written to the routes registry (see registered.py)
         self.known = Registered()
+
+    async def sets(self) -> dict[str, str]:
+        """The capability sets requests were routed by, read now: set id -> capabilities
+        (sorted, comma-separated)."""
+        table = await self._bus.redis.hgetall(self._bus.keys.routes)
+        return {text(sid): text(caps) for sid, caps in table.items()}
 
     async def register_set(self, canonical: str) -> str:
         """Make the set known to workers (written once in a while, see registered.py); returns its id."""

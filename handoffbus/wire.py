@@ -25,7 +25,7 @@ from .errors import EncodeError
 from .scripts import Script
 
 __all__ = ["Group", "Line", "ScriptCall", "exchange", "guard_key", "no_script", "pack_call", "pack_evalsha",
-           "unsendable"]
+           "unsendable", "with_unsendable"]
 
 _ASKING = b"*1\r\n$6\r\nASKING\r\n"
 
@@ -177,8 +177,14 @@ async def _without_unsendable(
         answers = dict(zip(sent, replies, strict=False))
         exc.replies_read = [errors.get(i, answers.get(i)) for i in range(upto)]  # type: ignore[attr-defined]
         raise
-    answers = dict(zip(sent, replies, strict=True))
-    return [errors[i] if i in errors else answers[i] for i in range(len(calls))]
+    return with_unsendable(errors, replies, len(calls))
+
+
+def with_unsendable(errors: dict[int, EncodeError], replies: list[Any], count: int) -> list[Any]:
+    """The ``count`` calls' answers: ``unsendable``'s errors in their places, and the replies of
+    the calls sent, in order, in the others."""
+    answers = iter(replies)
+    return [errors[i] if i in errors else next(answers) for i in range(count)]
 
 
 async def _round_trip(

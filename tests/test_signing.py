@@ -16,7 +16,7 @@ from handoffbus.signing import response_body, unsigned_response
 from handoffbus.workers import Accept, Agent, ReceivedHandoff
 
 from .conftest import make_bus, new_prefix
-from .helpers import req
+from .helpers import req, serve_until_done
 
 pytestmark = pytest.mark.anyio
 
@@ -141,12 +141,7 @@ async def test_a_signed_request_that_waited_in_the_queue_past_the_window_is_hand
     async with make_bus(real_backend, servers, prefix=prefix, keyring=verifier) as bus:
         handle = await bus.client("req").request_handoff(req("req", "watch-1", reason="r"))
         await anyio.sleep(0.3)  # it waits in the queue longer than the window: the subject, not a sync
-        async with anyio.create_task_group() as tg:
-            worker = Worker(bus, agent)
-            await tg.start(worker.run)
-            with anyio.fail_after(10):
-                outcome = await handle.outcome()
-            worker.drain()
+        [outcome], _ = await serve_until_done(bus, agent, [handle])
     assert outcome.status is HandoffStatus.COMPLETED and agent.calls == ["decide r", "work r"]
 
 

@@ -51,9 +51,8 @@ class RouteFeed:
 
     async def refresh(self) -> None:
         """Learn the capability sets requests were routed by, and keep those this agent serves."""
-        table = await self._bus.redis.hgetall(self._bus.keys.routes)
-        self.sets = {sid.decode(): caps.decode() for sid, caps in table.items()
-                     if serves(self.capabilities, caps.decode())}
+        self.sets = {sid: caps for sid, caps in (await self._bus.router.sets()).items()
+                     if serves(self.capabilities, caps)}
 
     def due(self, bell: bytes) -> bool:
         """Whether to look at the sets now: the agent's doorbell rang (requesters ring it for

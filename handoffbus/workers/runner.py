@@ -184,9 +184,10 @@ class Worker:
         reclaimed; a registry entry not removed ages out by its TTL)."""
         if lanes is not None:
             self._unstarted(lanes)
-        await self._settle_done()
         with anyio.move_on_after(SETTLE_WAIT, shield=True):
             await self._hand_back_carried()
+        await self._settle_done()
+        with anyio.move_on_after(SETTLE_WAIT, shield=True):
             await self._hand_back()
         with anyio.move_on_after(REGISTER_WAIT, shield=True):
             await self._leave()
@@ -241,8 +242,8 @@ class Worker:
             self._after_unstarted(delivery.handoff_id, row, reclaimed)
 
     def _after_unstarted(self, hid: str, row: Loaded | None, reclaimed: bool) -> None:
-        if row is None or row.status in TERMINAL or (row.status is HandoffStatus.ACCEPTED and not reclaimed):
-            self._done.append(hid)  # what _handle settles without a step
+        if row is None or _only_settled(row, reclaimed):
+            self._done.append(hid)
         elif row.status is HandoffStatus.PENDING and row.request is not None and row.error is None:
             self._give_back.append((hid, row.request.priority))
 
@@ -262,7 +263,6 @@ class Worker:
         for delivery, row in zip(carried, loaded, strict=True):
             self._entries.pop(delivery.handoff_id, None)
             self._after_unstarted(delivery.handoff_id, row, False)
-        await self._settle_done()
 
     async def _hand_back(self) -> None:
         """Re-queue handoffs stopped while their acceptance hook ran: others take them now."""
@@ -429,14 +429,10 @@ class Worker:
         # what becomes of the delivery when this handler ends
         after = "settle"
         try:
-            if row is None or row.status in TERMINAL:
-                return  # decided elsewhere, expired or gone: only settle it
-            if row.status is HandoffStatus.ACCEPTED and not reclaimed:
-                # accepted work is carried on only from this agent's own pending entries (a worker
-                # that stopped); taken from the queue, an ACCEPTED record was written by its
-                # requester, whose slot holds it: never by this agent
-                self._log.warning("%s: %s came from the queue already ACCEPTED; not taken over", self.consumer, hid,
-                                  extra={"handoff_id": hid})
+            if row is None or _only_settled(row, reclaimed):
+                if row is not None and row.status is HandoffStatus.ACCEPTED:
+                    self._log.warning("%s: %s came from the queue already ACCEPTED; not taken over", self.consumer,
+                                      hid, extra={"handoff_id": hid})
                 return
             poison = row.error or (
                 f"delivered {deliveries} times; its handling kept stopping workers"
@@ -494,3 +490,11 @@ class Worker:
             elif after == "give back" and row is not None and row.request is not None:
                 self._give_back.append((hid, row.request.priority))
             self._changed.set()
+
+
+def _only_settled(row: Loaded, reclaimed: bool) -> bool:
+    """Whether a taken handoff is settled without a step (as one that is gone): decided
+    elsewhere or expired; or ACCEPTED as it came from the queue (accepted work is carried on only from this agent's
+    own pending entries, a worker that stopped; an ACCEPTED record from the queue was written
+    by its requester, whose slot holds it, never by this agent)."""
+    return row.status in TERMINAL or (row.status is HandoffStatus.ACCEPTED and not reclaimed)
