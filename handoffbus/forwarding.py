@@ -51,7 +51,7 @@ log = logging.getLogger("handoffbus")
 GROUP = "forwarder"
 Call = tuple[str, list[str], list[Any]]
 #: transitions: ARGV[3] is the acting agent, which must be the sender
-_ACTING = {"accept", "reject", "complete", "fail", "cancel", "reclaim"}
+_ACTING = {"accept", "reject", "complete", "fail", "cancel", "reclaim", "release"}
 #: how long a stopping forwarder still answers an entry it has started on
 ANSWER_WAIT = 10.0
 _encode = msgspec.msgpack.Encoder()
@@ -312,8 +312,8 @@ class Forwarder:
             rings = bus.router.ring_calls(candidates, handoff_id)
             if rings:
                 await bus.scripts_many(rings)
-        elif name == "reject" and isinstance(result, list) and result and int(result[0]) == 2:
-            await bus.router.send_on(sender, text(args[0]), result)  # a refusal sends it on
+        elif name in ("reject", "release") and isinstance(result, list) and result and int(result[0]) == 2:
+            await bus.router.send_on(sender, text(args[0]), result)  # a refusal or a release sends it on
         elif name == "assign" and isinstance(result, list) and result and int(result[0]) == 2:
             stale = Reroute.read(result[2:9], f"forwarder (assign by {sender})")  # pulled from a stale queue entry
             if stale is not None:

@@ -103,7 +103,8 @@ class HistoryEntry(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
 
 class RouteStep(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     """One step of a routed handoff's way: an agent it was OFFERED to, that REFUSED or
-    DEFERRED it (with the rejection code), or whose offer LAPSED (it did not decide in time)."""
+    DEFERRED it (with the rejection code), whose offer LAPSED (it did not decide in time), or
+    that RELEASED it (its worker stopped before deciding)."""
 
     agent: str
     event: str

@@ -297,6 +297,22 @@ class Router:
         [final] = await self.reroute([item])
         return final
 
+    async def release(self, agent: str, handoff_id: str) -> bool:
+        """Give up ``agent``'s offer of a routed handoff its stopping worker took and never
+        decided, and send it on at once, as a refusal is (but the agent is neither excluded nor
+        deferred). False where it was not offered to the agent any more: nothing was changed."""
+        bus = self._bus
+        requester, request_id = split_handoff_id(handoff_id)
+        keys = bus.keys.record(requester, request_id).as_list()
+        reply = await bus.script("release", keys, [
+            handoff_id, request_id, agent, bus.config.retention_ms, bus.config.response_retention_ms,
+            int(bus.config.route_guard * 1000)])
+        if int(reply[0]) != 2:
+            return False
+        if not bus.forwarded(keys):  # else the forwarder sends it on (see Forwarder._after)
+            await self.send_on(agent, handoff_id, reply, route=bus.isolated is None)
+        return True
+
     async def reroute(self, items: Sequence[Reroute]) -> list[HandoffResponse | None]:
         """Send each handoff on: to the agent it was redirected to if that one is capable and
         live, else back to its set's queue (waking capable agents), else, when every capable

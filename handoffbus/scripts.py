@@ -39,6 +39,7 @@ SCRIPT_NAMES = (
     "take",
     "settle",
     "requeue",
+    "release",
     "lease",
     "load",
     "reclaim",
@@ -192,6 +193,7 @@ class Scripts:
     take: Script
     settle: Script
     requeue: Script
+    release: Script
     lease: Script
     load: Script
     reclaim: Script

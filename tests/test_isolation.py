@@ -297,6 +297,46 @@ async def test_routed_handoffs_between_isolated_agents(real_backend: str, server
     assert setup.forwarder.refused == 0
 
 
+async def test_an_isolated_workers_stop_releases_a_routed_handoff_through_the_forwarder(
+    real_backend: str, servers: dict
+) -> None:
+    """A stopping worker gives back an undecided routed handoff to its set: an isolated
+    agent's release goes through the forwarder, which sends it on, as it does a refusal."""
+
+    class Stuck(Capable):
+        def __init__(self) -> None:
+            super().__init__("spec-a", refuse=False)
+            self.holding = anyio.Event()
+
+        async def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+            self.holding.set()
+            await anyio.sleep_forever()
+            raise AssertionError("unreachable")
+
+    async with isolated(real_backend, servers, ("req", "spec-a", "spec-b")) as setup:
+        client = setup.buses["req"].client("req")
+        handle = await client.request_handoff(
+            HandoffRequest(from_agent="req", to_agent="", capabilities_required=["x"], reason="r", timeout=60))
+        stuck = Stuck()
+        async with anyio.create_task_group() as tg:
+            worker = Worker(setup.buses["spec-a"], stuck, grace=0.05)
+            await tg.start(worker.run)
+            with anyio.fail_after(10):
+                await stuck.holding.wait()
+            worker.drain()
+        async with anyio.create_task_group() as tg:
+            other = Worker(setup.buses["spec-b"], Capable("spec-b", refuse=False))
+            await tg.start(other.run)
+            with anyio.fail_after(10):  # well within the offer time (30 s)
+                outcome = await handle.outcome()
+            other.drain()
+        record = await handle.status()
+    assert outcome.result == "spec-b"
+    assert record is not None and [(s.agent, s.event) for s in record.route] == [
+        ("spec-a", "OFFERED"), ("spec-a", "RELEASED"), ("spec-b", "OFFERED")]
+    assert setup.forwarder.refused == 0
+
+
 async def test_a_forwarder_with_grants_routes_only_granted_capabilities(real_backend: str, servers: dict) -> None:
     """An agent's workers register what it claims to do; with grants, the forwarder believes a
     claim only if the operator granted it. mallory claims x, only spec-b was granted it: mallory

@@ -297,6 +297,64 @@ async def test_take_does_not_deliver_a_queued_handoff_already_in_flight(real_bus
     assert await bus.redis.xlen(target.inbox) == 2  # req/1 once (r2's), req/2
 
 
+# ---------------------------------------------------------------------- a stopping worker
+
+
+async def test_a_routed_handoff_a_stopping_worker_hands_back_goes_to_another_capable_agent(
+    real_backend: str, servers: dict
+) -> None:
+    """A worker stopped while its acceptance hook held a routed handoff handed it back to its
+    own agent's queue, still offered to that agent: with no other worker of it running, the
+    handoff waited out the offer (30 s) while another capable agent sat idle. It is released
+    back to its set at once."""
+
+    class Stuck(Specialist):
+        def __init__(self) -> None:
+            super().__init__("stuck-a", ["x"])
+            self.holding = anyio.Event()
+
+        async def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+            self.holding.set()
+            await anyio.sleep_forever()
+            raise AssertionError("unreachable")
+
+    async with make_bus(real_backend, servers) as bus:
+        client = bus.client("req")
+        handle = await client.request_handoff(routed(["x"], timeout=60))
+        stuck = Stuck()
+        async with serving(bus, stuck, grace=0.05):
+            with anyio.fail_after(10):
+                await stuck.holding.wait()
+        async with serving(bus, Specialist("other-b", ["x"])):
+            [outcome] = await outcomes([handle], limit=10)  # well within the offer time
+        record = await client.get_handoff_status(handle.handoff_id)
+        stuck_keys = bus.keys.target("stuck-a")
+        assert await bus.redis.zcard(stuck_keys.queue) == 0 and await bus.redis.hlen(stuck_keys.inflight) == 0
+    assert outcome.status is S.COMPLETED and outcome.result == {"by": "other-b"}
+    assert [(s.agent, s.event) for s in record.route] == [
+        ("stuck-a", "OFFERED"), ("stuck-a", "RELEASED"), ("other-b", "OFFERED")]
+
+
+async def test_a_release_changes_nothing_unless_the_handoff_is_offered_to_the_releasing_agent(
+    real_bus: HandoffBus
+) -> None:
+    bus, client = real_bus, real_bus.client("req")
+    direct = await client.request_handoff(HandoffRequest(from_agent="req", to_agent="spec-a", reason="r"))
+    offered = await client.request_handoff(routed(["x"], timeout=60))
+    [assigned] = await bus.scripts_many([bus.router.assign_call(offered.handoff_id, "spec-a")])
+    assert assigned == [1]
+    before = await client.get_handoff_status(offered.handoff_id)
+    assert not await bus.router.release("spec-a", direct.handoff_id)  # not routed
+    assert not await bus.router.release("spec-b", offered.handoff_id)  # offered to spec-a, not spec-b
+    assert await client.get_handoff_status(offered.handoff_id) == before
+    assert (await client.get_handoff_status(direct.handoff_id)).route == ()
+    assert await bus.router.release("spec-a", offered.handoff_id)
+    after = await client.get_handoff_status(offered.handoff_id)
+    assert after.status is S.PENDING and [s.event for s in after.route] == ["OFFERED", "RELEASED"]
+    assert await bus.redis.zscore(bus.keys.route(set_id("x")).queue, offered.handoff_id) is not None  # sent on
+    assert not await bus.router.release("spec-a", offered.handoff_id)  # once
+
+
 # ---------------------------------------------------------------------- head of line
 
 

@@ -35,7 +35,7 @@ from ..errors import (
 )
 from ..keys import GROUP
 from ..logs import AgentLog
-from ..models import TERMINAL, HandoffStatus
+from ..models import TERMINAL, HandoffRequest, HandoffStatus
 from ..names import check_names
 from ..records import Loaded
 from .agent import Agent, AgentState, RetryPolicy
@@ -125,7 +125,7 @@ class Worker:
         #: (under load the next take settles them in the same round trip)
         self._idle = False
         self._settle_wanted = anyio.Event()
-        self._give_back: list[tuple[str, int]] = []  # stopped before accepting: back to the queue
+        self._give_back: list[tuple[str, HandoffRequest]] = []  # stopped before accepting: back to the queue
         #: taken, but their load failed: loaded and started first (or, stopping, handed back)
         self._carried: list[Delivery] = []
         self._active = 0
@@ -245,7 +245,7 @@ class Worker:
         if row is None or _only_settled(row, reclaimed):
             self._done.append(hid)
         elif row.status is HandoffStatus.PENDING and row.request is not None and row.error is None:
-            self._give_back.append((hid, row.request.priority))
+            self._give_back.append((hid, row.request))
 
     async def _hand_back_carried(self) -> None:
         """Load what the fetch loop still carried (taken, its load failed) and sort it out as
@@ -265,11 +265,13 @@ class Worker:
             self._after_unstarted(delivery.handoff_id, row, False)
 
     async def _hand_back(self) -> None:
-        """Re-queue handoffs stopped while their acceptance hook ran: others take them now."""
+        """Re-queue handoffs stopped while their acceptance hook ran: others take them now. A
+        routed one offered to this agent goes back to its set, for any capable agent."""
         while self._give_back:
-            hid, priority = self._give_back[0]
+            hid, request = self._give_back[0]
             try:
-                if not await self._inbox.requeue(hid, priority):
+                released = not request.to_agent and await self.bus.router.release(self.agent.agent_id, hid)
+                if not released and not await self._inbox.requeue(hid, request.priority):
                     self._log.info("%s: %s was settled (cancelled or expired) or claimed by another worker "
                                    "meanwhile; left alone", self.consumer, hid, extra={"handoff_id": hid})
             except (RedisError, OSError, HandoffbusError) as exc:  # the bus closing too
@@ -488,7 +490,7 @@ class Worker:
                 if self._idle:
                     self._settle_wanted.set()
             elif after == "give back" and row is not None and row.request is not None:
-                self._give_back.append((hid, row.request.priority))
+                self._give_back.append((hid, row.request))
             self._changed.set()
 
 

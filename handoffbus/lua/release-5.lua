@@ -1,0 +1,35 @@
+--[[
+  release: a worker that took a capability-routed handoff offered to its agent, and stopped
+  before deciding it, gives the offer up: the handoff is PENDING with no agent, to be routed
+  again by the caller at once (rather than wait in the agent's own queue until the offer
+  lapses). The agent is neither marked as refusing nor deferred: its other workers may pull
+  it again.
+
+  KEYS[1] record hash   KEYS[2] pending marker   KEYS[3] deadline index   KEYS[4] response stream
+  KEYS[5] request envelope
+  ARGV[1] handoff id    ARGV[2] request id       ARGV[3] acting agent
+  ARGV[4] record retention ms     ARGV[5] response stream retention ms (unused: the layout
+          of a transition's, so that the forwarder checks and pins it as one)
+  ARGV[6] routing guard ms (see request-6.lua)
+
+  Returns:
+    {2, agent, handoff id, capability set, priority, created, deadline, refused, deferred, false}
+       released: route it again with these (the shape of reject's routed refusal)
+    {0} left alone: not a routed handoff offered to this agent, not PENDING, past its deadline
+        or gone (nothing written)
+  Events: none (the requester hears nothing; the route shows RELEASED).
+]]
+-- @include record
+
+local rec = redis.call('HMGET', KEYS[1], 'routed', 'status', 'to', 'chain')
+local agent = ARGV[3]
+if rec[1] ~= '1' or rec[2] ~= 'PENDING' or rec[3] ~= agent or redis.call('EXISTS', KEYS[2]) == 0 then
+  return {0}
+end
+local now = now_ms()
+redis.call('HSET', KEYS[1], 'to', '', 'updated', fmt(now))
+chain_add(KEYS[1], rec[4], agent, 'RELEASED', now, nil)
+-- the offer's entry becomes a routing guard: the sweep routes it if the caller does not
+redis.call('ZADD', KEYS[3], now + tonumber(ARGV[6]), 'o:' .. ARGV[2])
+local info = route_info(KEYS[1])
+return {2, agent, info[1], info[2], info[3], info[4], info[5], info[6], info[7], false}
