@@ -126,8 +126,9 @@ class HandoffBus:
         client opens up to ``max_connections`` per node (512 by default), blocking reads
         included, and fails beyond.
         No socket timeout is set: readers block in XREAD for ``read_block`` seconds and must
-        not be cut off (TCP keepalive finds dead peers). A ``socket_timeout`` in the URL
-        still applies.
+        not be cut off (TCP keepalive finds dead peers). Script calls and the response reads
+        are bounded all the same (``wire.REPLY_WAIT``: a server that is up but stopped
+        answering). A ``socket_timeout`` in the URL still applies.
         """
         bus = cls(make_client(url, max_connections, cluster), owns_client=True, **settings)
         if cluster is None and not cluster_url(url, None)[1]:

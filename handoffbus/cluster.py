@@ -47,7 +47,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import HandoffbusError
 from .scripts import Command, Reload, Script
-from .wire import ScriptCall, exchange, no_script
+from .wire import REPLY_WAIT, ScriptCall, exchange, no_script
 
 __all__ = ["ClusterSender", "is_cluster"]
 
@@ -62,7 +62,7 @@ MIGRATION_WAIT = 30.0
 #: seconds a node may take to answer a batch of calls before it is taken for silent (frozen,
 #: or cut off without a reset): its calls fail as on a lost connection, and its later calls
 #: fail at once until it answers a PING, so that no other node's calls wait on it
-NODE_REPLY_WAIT = 10.0
+NODE_REPLY_WAIT = REPLY_WAIT
 #: seconds between PINGs to a silent node, and how long each may take
 PROBE_EVERY = 1.0
 #: seconds closing connections may take (a socket's close waits on its peer)

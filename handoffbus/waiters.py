@@ -264,7 +264,7 @@ class ResponseReader:
             try:
                 if line is not None:  # one server: the reply as it comes, entries as flat lists
                     reply = await line.command("XREAD", "COUNT", 512, "BLOCK", block_ms,
-                                               "STREAMS", self._stream, self._cursor)
+                                               "STREAMS", self._stream, self._cursor, blocks=block_ms / 1000)
                 else:
                     reply = await redis.xread({self._stream: self._cursor}, count=512, block=block_ms)
             except (RedisError, OSError) as exc:

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -126,7 +124,8 @@ async def exchange(
     """Write the calls as one write on one connection, then read one reply per call. On a
     cluster node (``asking`` given) each call declares its guard key, and a call marked in
     ``asking`` goes right after an ASKING, which applies to the next command only. Each reply
-    is awaited ``reply_wait`` seconds at most, or the connection's socket timeout if shorter."""
+    batch's replies are awaited ``reply_wait`` seconds at most, or the connection's socket
+    timeout if shorter."""
     try:
         if asking is None:
             data = b"".join(pack_call(call) for call in calls)
@@ -191,25 +190,19 @@ async def _round_trip(
     conn: Any, data: bytes, count: int, asking: list[bool] | None = None, reply_wait: float | None = None
 ) -> list[Any]:
     """Write ``data`` (``count`` commands, each after an ASKING where ``asking`` says so) and
-    read their replies, each within ``reply_wait`` seconds if given (redis-py's TimeoutError
+    read their replies, all within ``reply_wait`` seconds if given (redis-py's TimeoutError
     after it); an error reply is returned as its exception, in its command's place. A failure
     raised carries the replies read before it as ``replies_read``: their commands ran."""
     replies: list[Any] = []
     try:
-        await conn.send_packed_command(data, check_health=False)
-        # the parser itself, when it has one: redis-py's per-reply wrapper (timeouts, host
-        # bookkeeping) costs more than the reply; hiredis hands error replies back as values
-        read = getattr(getattr(conn, "_parser", None), "read_response", None) or conn.read_response
-        if reply_wait:
-            read = functools.partial(_within, reply_wait, read)
-        for i in range(count):
-            if asking is not None and asking[i]:
-                with contextlib.suppress(ResponseError):  # the call's own reply says what went wrong
-                    await read()  # +OK
+        if not reply_wait:
+            await _send_and_read(conn, data, count, asking, replies)
+        else:
             try:
-                replies.append(await read())
-            except ResponseError as exc:  # an error reply answers its own call only
-                replies.append(exc)
+                with anyio.fail_after(reply_wait):  # one deadline for the batch: cheaper than one per reply
+                    await _send_and_read(conn, data, count, asking, replies)
+            except TimeoutError:
+                raise RedisTimeoutError(f"no reply within {reply_wait:g} s") from None
     except BaseException as exc:
         with anyio.CancelScope(shield=True):  # even when cancelled: never leak the socket
             await conn.disconnect()  # the replies left on the wire belong to no one now
@@ -218,12 +211,26 @@ async def _round_trip(
     return replies
 
 
-async def _within(seconds: float, read: Callable[[], Awaitable[Any]]) -> Any:
-    try:
-        with anyio.fail_after(seconds):
-            return await read()
-    except TimeoutError:
-        raise RedisTimeoutError(f"no reply within the socket timeout ({seconds}s)") from None
+async def _send_and_read(conn: Any, data: bytes, count: int, asking: list[bool] | None, replies: list[Any]) -> None:
+    await conn.send_packed_command(data, check_health=False)
+    # the parser itself, when it has one: redis-py's per-reply wrapper (timeouts, host
+    # bookkeeping) costs more than the reply; hiredis hands error replies back as values
+    read = getattr(getattr(conn, "_parser", None), "read_response", None) or conn.read_response
+    for i in range(count):
+        if asking is not None and asking[i]:
+            with contextlib.suppress(ResponseError):  # the call's own reply says what went wrong
+                await read()  # +OK
+        try:
+            replies.append(await read())
+        except ResponseError as exc:  # an error reply answers its own call only
+            replies.append(exc)
+
+
+#: seconds one server may take to answer a batch of calls before they fail as on a lost
+#: connection: a server that stops answering without closing its connections (frozen, or cut
+#: off where no reset reaches us) would otherwise hold the batcher's senders, and with them
+#: every call, for ever (TCP keepalive does not notice a live host whose server is stuck)
+REPLY_WAIT = 10.0
 
 
 class Line:
@@ -254,8 +261,12 @@ class Line:
             await self.close()
             conn = None
         if conn is None:
-            conn = self._conn = await self._pool.get_connection()
-            self._taken = now
+            try:
+                with anyio.fail_after(REPLY_WAIT):  # a pooled one is checked, a new one greets: both ask the server
+                    conn = await self._pool.get_connection()
+            except TimeoutError:
+                raise RedisTimeoutError(f"no connection within {REPLY_WAIT:g} s") from None
+            self._conn, self._taken = conn, now
         else:
             reader = getattr(conn, "_reader", None)
             if reader is not None and reader.at_eof():  # closed by the server while we held it
@@ -263,15 +274,16 @@ class Line:
         return conn
 
     async def exchange(self, calls: list[ScriptCall]) -> list[Any]:
-        return await exchange(await self._connection(), calls)
+        return await exchange(await self._connection(), calls, reply_wait=REPLY_WAIT)
 
-    async def command(self, *args: Any) -> Any:
+    async def command(self, *args: Any, blocks: float = 0.0) -> Any:
         """One command's reply, packed and parsed without redis-py's per-command layers (its
         reply callbacks too: an XREAD's entries stay flat field/value lists). An error reply
-        is raised. The connection's health check, if the client asks for one, runs first."""
+        is raised. The connection's health check, if the client asks for one, runs first.
+        Awaited ``REPLY_WAIT`` seconds past ``blocks``, the time the command itself may block."""
         conn = await self._connection()
         await conn.check_health()
-        (reply,) = await _round_trip(conn, pack_command(args), 1)
+        (reply,) = await _round_trip(conn, pack_command(args), 1, reply_wait=blocks + REPLY_WAIT)
         if isinstance(reply, Exception):
             raise reply
         return reply

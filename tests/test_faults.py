@@ -27,6 +27,7 @@ from handoffbus import (
     HandoffStatus,
     InvalidTransition,
     Worker,
+    wire,
 )
 from handoffbus.keys import GROUP
 
@@ -155,6 +156,52 @@ async def test_a_socket_timeout_in_the_url_bounds_script_calls_too(own_server: E
             proxy.restore()
             proxy.reset()
         tg.cancel_scope.cancel()
+
+
+class _Heard(logging.Handler):
+    """Sets ``event`` when the handoffbus logger says something containing ``words``."""
+
+    def __init__(self, words: str) -> None:
+        super().__init__(logging.WARNING)
+        self.words, self.event = words, anyio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.words in record.getMessage():
+            self.event.set()
+
+
+async def test_a_server_that_stops_answering_fails_calls_and_reads_without_a_socket_timeout(
+    own_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No socket timeout in the URL (the default): a server that stopped answering without
+    closing its connections (frozen, or cut off where no reset reaches the client; TCP
+    keepalive does not notice a live host) held every script call for ever, and the
+    requester's response reader with them. A batch now fails after ``wire.REPLY_WAIT``, as on
+    a lost connection, and a blocked read that long past its block; both work again after."""
+    monkeypatch.setattr(wire, "REPLY_WAIT", 0.5)
+    heard = _Heard("response reader for req")
+    logging.getLogger("handoffbus").addHandler(heard)
+    try:
+        async with anyio.create_task_group() as tg:
+            proxy = FaultProxy(own_server.port)
+            await tg.start(proxy.serve)
+            async with HandoffBus.connect(proxy.url, sweep_interval=3600, read_block=0.2) as bus:
+                client, target = bus.client("req"), bus.client("echo-1")
+                handle = await client.request_handoff(req("req", "echo-1"))
+                proxy.blackhole()  # connections stay open; nothing comes back
+                with anyio.fail_after(5):
+                    with pytest.raises(RedisTimeoutError):
+                        await client.get_handoff_status(handle.handoff_id)
+                    await heard.event.wait()  # the reader's XREAD gave up too
+                proxy.restore()
+                await target.accept_handoff(handle.handoff_id)
+                await target.complete_handoff(handle.handoff_id, result="ok")
+                with anyio.fail_after(10):
+                    outcome = await handle.outcome()
+            tg.cancel_scope.cancel()
+    finally:
+        logging.getLogger("handoffbus").removeHandler(heard)
+    assert outcome.status is S.COMPLETED and outcome.result == "ok"
 
 
 async def test_script_cache_flushed_mid_run_fails_no_call(

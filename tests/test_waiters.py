@@ -309,8 +309,8 @@ class HeldLine:
         self.held = anyio.Event()
         self.released = anyio.Event()
 
-    async def command(self, *args: Any) -> Any:
-        reply = await self.line.command(*args)
+    async def command(self, *args: Any, blocks: float = 0.0) -> Any:
+        reply = await self.line.command(*args, blocks=blocks)
         if self.holding and reply:
             self.held.set()
             await self.released.wait()
