@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any
@@ -88,6 +89,7 @@ class HandoffBus:
         self._owns_client = owns_client or server is not None
         self._closed = False  # closed by __aexit__ (a client it owns is closed with it)
         self._blocking: Any = None
+        self._clock: tuple[int, float] | None = None  # (server ms, monotonic s) at one TIME call
         self.scripts = Scripts()
         self._batcher: ScriptBatcher | None = None
         self._tg: TaskGroup | None = None
@@ -509,6 +511,15 @@ class HandoffBus:
 
     async def server_time_ms(self) -> int:
         return await server_time_ms(self.redis)
+
+    async def now_ms(self) -> int:
+        """The server's time, estimated from one TIME call and the monotonic clock since, for
+        what must be judged in the server's time without a round trip each (a signature's
+        time, whether a deferral has passed): client wall clocks may be far off."""
+        if self._clock is None:
+            self._clock = (await self.server_time_ms(), time.monotonic())
+        server_ms, at = self._clock
+        return server_ms + int((time.monotonic() - at) * 1000)
 
     async def clear(self, *, confirm: str) -> int:
         if confirm != self.config.prefix:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +62,6 @@ class HandoffClient:
     def __init__(self, bus: HandoffBus, agent_id: str) -> None:
         self._bus = bus
         self.agent_id = check_name(agent_id, "agent id")
-        self._clock: tuple[int, float] | None = None  # (server ms, monotonic s) at one TIME call
 
     def __repr__(self) -> str:
         return f"<HandoffClient {self.agent_id!r}>"
@@ -133,7 +131,7 @@ class HandoffClient:
             signature = ""
             if bus.keyring is not None:
                 signature = bus.keyring.sign(self.agent_id, "request", [
-                    handoff_id, self.agent_id, request.to_agent, caps, str(timeout_ms)], envelope, await self._now_ms())
+                    handoff_id, self.agent_id, request.to_agent, caps, str(timeout_ms)], envelope, await bus.now_ms())
             record_args: list[Any] = [
                 handoff_id, request.request_id, self.agent_id, request.to_agent, timeout_ms,
                 envelope, bus.config.retention_ms, bus.config.response_retention_ms, fingerprint,
@@ -267,14 +265,6 @@ class HandoffClient:
         """This agent's response reader (a bus opened again has a new one)."""
         return self._bus.reader(self.agent_id, self._refresh)
 
-    async def _now_ms(self) -> int:
-        """The server's time, estimated from one TIME call and the monotonic clock since (a
-        signature's time must be the server's: client wall clocks may be far off)."""
-        if self._clock is None:
-            self._clock = (await self._bus.server_time_ms(), time.monotonic())
-        server_ms, at = self._clock
-        return server_ms + int((time.monotonic() - at) * 1000)
-
     async def _refresh(self, waiter: Waiter) -> None:
         """Read the record (expiring it if due), feed the waiter and make sure the reader runs."""
         reader = self._reader()
@@ -310,7 +300,7 @@ class HandoffClient:
         if bus.keyring is not None and bus.keyring.can_sign(self.agent_id):
             status = SIGNED_STATUS[name]
             args += ["sig", bus.keyring.sign(self.agent_id, "response", [handoff_id, status, self.agent_id],
-                                             response_body(fields), await self._now_ms())]
+                                             response_body(fields), await self._bus.now_ms())]
         if name == "reject":
             args += ["guard", int(bus.config.route_guard * 1000)]
         record_keys = bus.keys.record(requester, request_id).as_list()

@@ -35,7 +35,8 @@ from .registered import Registered
 if TYPE_CHECKING:
     from .bus import HandoffBus
 
-__all__ = ["NO_CAPABLE_AGENT", "Directory", "Reroute", "Router", "capability_set", "set_id"]
+__all__ = ["NO_CAPABLE_AGENT", "Directory", "Reroute", "Router", "capability_set", "deferred_until", "set_id",
+           "still_deferred"]
 
 log = logging.getLogger("handoffbus")
 
@@ -110,6 +111,21 @@ class Reroute(NamedTuple):
         deadline = min(max(self.deadline_ms, 0), 2**53)
         return self._replace(priority=min(max(self.priority, -MAX_PRIORITY), MAX_PRIORITY), deadline_ms=deadline,
                              created_ms=min(max(self.created_ms, deadline - max_timeout_ms), deadline))
+
+
+def deferred_until(deferred: str, agent: str) -> int | None:
+    """Until when (server ms) ``agent`` is deferred by a ",a=<until ms>," list, or None (as
+    offer.lua reads it)."""
+    at = deferred.find(f",{agent}=")
+    if at < 0:
+        return None
+    digits = deferred[at + len(agent) + 2:].partition(",")[0]
+    return int(digits) if digits.isdigit() else None
+
+
+def still_deferred(deferred: str, agent: str, now_ms: int) -> bool:
+    until = deferred_until(deferred, agent)
+    return until is not None and until > now_ms
 
 
 def granted(grants: Mapping[bytes, bytes], agent: str, claimed: Iterable[str]) -> set[str]:
@@ -239,12 +255,13 @@ class Router:
                 pipe.hdel(route.meta, *ids)
             await pipe.execute()
 
-    def ring_calls(self, candidates: Sequence[AgentInfo], handoff_id: str, deferred: str = ",") -> list[Call]:
-        """Wake capable agents with room that are not deferred (the others pull when they
-        next have room, or after their block timeout)."""
+    def ring_calls(self, candidates: Sequence[AgentInfo], handoff_id: str, deferred: str = ",",
+                   now_ms: int = 0) -> list[Call]:
+        """Wake capable agents with room that are not deferred at ``now_ms`` (the others pull
+        when they next have room, or after their block timeout)."""
         calls: list[Call] = []
         for agent in candidates:
-            if f",{agent.agent_id}=" in deferred:
+            if still_deferred(deferred, agent.agent_id, now_ms):
                 continue
             calls.append(("ring", [self._bus.keys.target(agent.agent_id).bell], [handoff_id]))
             if len(calls) == RING:
@@ -326,6 +343,7 @@ class Router:
         if any(item.refused_agents and not Directory.capable(agents, item.caps, exclude=item.refused_agents)
                for item in items):
             agents = await self.directory.agents(max_age=0)  # NO_CAPABLE_AGENT is final: decide on a fresh view
+        now_ms = await bus.now_ms()  # deferrals are in the server's time
         results: list[HandoffResponse | None] = [None] * len(items)
         redirected: list[Reroute] = []
         calls: list[Call] = []
@@ -333,7 +351,7 @@ class Router:
         for i, item in enumerate(items):
             candidates = Directory.capable(agents, item.caps, exclude=item.refused_agents)
             names = {a.agent_id for a in candidates}
-            if item.redirect and item.redirect in names and f",{item.redirect}=" not in item.deferred:
+            if item.redirect and item.redirect in names and not still_deferred(item.deferred, item.redirect, now_ms):
                 redirected.append(item)
             elif not candidates and item.refused_agents:
                 final.append((i, len(calls)))
@@ -341,7 +359,7 @@ class Router:
             else:
                 await self.register_set(item.caps)
                 calls.append(self._route_again(item))
-                calls += self.ring_calls(candidates, item.handoff_id, item.deferred)
+                calls += self.ring_calls(candidates, item.handoff_id, item.deferred, now_ms)
         if redirected:
             # offered for as long as the agent's own workers say it takes (their --offer-time)
             offers = {a.agent_id: max((w.offer_ms for w in a.workers), default=0) for a in agents}

@@ -17,7 +17,7 @@ from redis.exceptions import RedisClusterException
 from handoffbus import HandoffBus, HandoffExpired, HandoffRequest, HandoffStatus
 from handoffbus.client import HandoffClient
 from handoffbus.keys import GROUP
-from handoffbus.routing import set_id
+from handoffbus.routing import Reroute, set_id
 from handoffbus.workers import Accept, AgentState, Reject
 from handoffbus.workers.inbox import Inbox
 from handoffbus.workers.routes import SCAN, RouteFeed
@@ -353,6 +353,36 @@ async def test_a_release_changes_nothing_unless_the_handoff_is_offered_to_the_re
     assert after.status is S.PENDING and [s.event for s in after.route] == ["OFFERED", "RELEASED"]
     assert await bus.redis.zscore(bus.keys.route(set_id("x")).queue, offered.handoff_id) is not None  # sent on
     assert not await bus.router.release("spec-a", offered.handoff_id)  # once
+
+
+# ---------------------------------------------------------------------- deferrals that passed
+
+
+async def test_an_agent_whose_deferral_passed_is_rung_and_may_be_redirected_to(real_bus: HandoffBus) -> None:
+    """A deferral that has passed no longer holds an agent back: routing on rang every capable
+    agent but one deferred at any time (it was woken only by its block timeout), and ignored a
+    redirect to it. A deferral still running does both, as before."""
+    bus = real_bus
+    for agent in ("spec-a", "spec-b"):
+        await live(bus, agent, f"{agent}-w")
+    client = bus.client("req")
+    bells = [bus.keys.target(agent).bell for agent in ("spec-a", "spec-b")]
+    now = await bus.server_time_ms()
+
+    async def rung(deferred_until: int, redirect: str | None = None) -> tuple[list[int], str | None]:
+        handle = await client.request_handoff(routed(["x"], timeout=60))
+        await bus.redis.delete(*bells)  # the request's own rings
+        await bus.router.reroute([Reroute(handle.handoff_id, "x", 0, now, now + 60000, ",",
+                                          f",spec-a={deferred_until},", redirect)])
+        record = await client.get_handoff_status(handle.handoff_id)
+        assert record is not None
+        offered = [s.agent for s in record.route if s.event == "OFFERED"]
+        return [await bus.redis.xlen(bell) for bell in bells], offered[-1] if offered else None
+
+    assert await rung(now - 1000) == ([1, 1], None)
+    assert await rung(now + 60000) == ([0, 1], None)
+    assert (await rung(now - 1000, "spec-a"))[1] == "spec-a"
+    assert (await rung(now + 60000, "spec-a"))[1] is None  # the queue decides
 
 
 # ---------------------------------------------------------------------- head of line

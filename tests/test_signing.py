@@ -53,7 +53,7 @@ async def run_case(real_backend: str, servers: dict, verifier: Keyring, sender: 
             make_bus(real_backend, servers, prefix=prefix, keyring=sender) as sender_bus:
         client = sender_bus.client("req")
         if signed_ago:
-            client._clock = (await sender_bus.server_time_ms() - int(signed_ago * 1000), time.monotonic())
+            sender_bus._clock = (await sender_bus.server_time_ms() - int(signed_ago * 1000), time.monotonic())
         handle = await client.request_handoff(req("req", "watch-1", reason="r"))
         if tamper:
             key = sender_bus.keys.record("req", handle.request_id).envelope
