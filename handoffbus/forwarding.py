@@ -312,8 +312,10 @@ class Forwarder:
             rings = bus.router.ring_calls(candidates, handoff_id)
             if rings:
                 await bus.scripts_many(rings)
-        elif name in ("reject", "release") and isinstance(result, list) and result and int(result[0]) == 2:
-            await bus.router.send_on(sender, text(args[0]), result)  # a refusal or a release sends it on
+        elif name == "reject" and isinstance(result, list) and result and int(result[0]) == 2:
+            await bus.router.send_on(sender, text(args[0]), result)  # a refusal sends it on
+        elif name == "release" and isinstance(result, list) and result and int(result[0]) == 2:
+            await bus.router.send_back(text(args[0]), result)  # its worker settled its entry first
         elif name == "assign" and isinstance(result, list) and result and int(result[0]) == 2:
             stale = Reroute.read(result[2:9], f"forwarder (assign by {sender})")  # pulled from a stale queue entry
             if stale is not None:
@@ -327,6 +329,8 @@ class Forwarder:
         config, args = self._bus.config, list(args)
         if name in _ACTING and name != "reclaim":
             args[3:5] = [config.retention_ms, config.response_retention_ms]
+            if name == "release":
+                args[5:6] = [int(config.route_guard * 1000)]
         elif name == "assign":
             args[4:6] = [config.retention_ms, config.response_retention_ms]
         elif name == "enqueue":

@@ -316,8 +316,8 @@ class Router:
 
     async def release(self, agent: str, handoff_id: str) -> bool:
         """Give up ``agent``'s offer of a routed handoff its stopping worker took and never
-        decided, and send it on at once, as a refusal is (but the agent is neither excluded nor
-        deferred). False where it was not offered to the agent any more: nothing was changed."""
+        decided (its inbox entry settled first: see ``Inbox.give_up``), and send it back to its
+        set at once. False where it was not offered to the agent any more: nothing was changed."""
         bus = self._bus
         requester, request_id = split_handoff_id(handoff_id)
         keys = bus.keys.record(requester, request_id).as_list()
@@ -326,22 +326,29 @@ class Router:
             int(bus.config.route_guard * 1000)])
         if int(reply[0]) != 2:
             return False
-        if not bus.forwarded(keys):  # else the forwarder sends it on (see Forwarder._after)
-            await self.send_on(agent, handoff_id, reply, route=bus.isolated is None)
+        if bus.isolated is None:  # else the forwarder sends it back, or (its own request) the routing guard
+            await self.send_back(handoff_id, reply)
         return True
 
-    async def reroute(self, items: Sequence[Reroute]) -> list[HandoffResponse | None]:
+    async def send_back(self, handoff_id: str, reply: Sequence[Any]) -> None:
+        """After a ``release`` reply: back to the set's queue, even when no other capable agent
+        is live (the agent that released it is only restarting: a release is never final)."""
+        item = Reroute.read(reply[2:9], f"sending {handoff_id} back to its set")
+        if item is not None:
+            await self.reroute([item], may_end=False)
+
+    async def reroute(self, items: Sequence[Reroute], *, may_end: bool = True) -> list[HandoffResponse | None]:
         """Send each handoff on: to the agent it was redirected to if that one is capable and
         live, else back to its set's queue (waking capable agents), else, when every capable
-        agent refused it, to REJECTED with NO_CAPABLE_AGENT. Returns that REJECTED response,
-        or None where the handoff stays PENDING."""
+        agent refused it (and ``may_end``), to REJECTED with NO_CAPABLE_AGENT. Returns that
+        REJECTED response, or None where the handoff stays PENDING."""
         if not items:
             return []
         bus = self._bus
         items = [item.within(int(bus.config.max_timeout * 1000)) for item in items]
         agents = await self.directory.agents(max_age=0.5)
-        if any(item.refused_agents and not Directory.capable(agents, item.caps, exclude=item.refused_agents)
-               for item in items):
+        if may_end and any(item.refused_agents and not Directory.capable(agents, item.caps, exclude=item.refused_agents)
+                         for item in items):
             agents = await self.directory.agents(max_age=0)  # NO_CAPABLE_AGENT is final: decide on a fresh view
         now_ms = await bus.now_ms()  # deferrals are in the server's time
         results: list[HandoffResponse | None] = [None] * len(items)
@@ -353,7 +360,7 @@ class Router:
             names = {a.agent_id for a in candidates}
             if item.redirect and item.redirect in names and not still_deferred(item.deferred, item.redirect, now_ms):
                 redirected.append(item)
-            elif not candidates and item.refused_agents:
+            elif may_end and not candidates and item.refused_agents:
                 final.append((i, len(calls)))
                 calls.append(self.unroutable_call(item.handoff_id, item.refused_agents))
             else:

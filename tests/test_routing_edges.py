@@ -18,7 +18,7 @@ from handoffbus import HandoffBus, HandoffExpired, HandoffRequest, HandoffStatus
 from handoffbus.client import HandoffClient
 from handoffbus.keys import GROUP
 from handoffbus.routing import Reroute, set_id
-from handoffbus.workers import Accept, AgentState, Reject
+from handoffbus.workers import Accept, AgentState, Reject, Worker
 from handoffbus.workers.inbox import Inbox
 from handoffbus.workers.routes import SCAN, RouteFeed
 
@@ -333,6 +333,79 @@ async def test_a_routed_handoff_a_stopping_worker_hands_back_goes_to_another_cap
     assert outcome.status is S.COMPLETED and outcome.result == {"by": "other-b"}
     assert [(s.agent, s.event) for s in record.route] == [
         ("stuck-a", "OFFERED"), ("stuck-a", "RELEASED"), ("other-b", "OFFERED")]
+
+
+class _Holding(Specialist):
+    """Holds its acceptance hook until ``gate`` opens (for ever if never); counts hooks and works."""
+
+    def __init__(self, agent_id: str, gate: anyio.Event | None = None) -> None:
+        super().__init__(agent_id, ["x"])
+        self.gate = gate or anyio.Event()
+        self.holding = anyio.Event()
+        self.hooked = self.works = 0
+
+    async def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+        self.hooked += 1
+        self.holding.set()
+        await self.gate.wait()
+        return Accept()
+
+    async def on_handoff_received(self, handoff: Any) -> Any:
+        self.works += 1
+        return {"by": self.agent_id}
+
+
+async def test_a_release_in_a_rolling_restart_is_not_final(real_backend: str, servers: dict) -> None:
+    """ref-b refused; stuck-a, the only other capable agent, is restarted while its hook holds
+    the handoff (its worker says DRAINING: no capable agent is live). The release routed it on
+    as a refusal would, and with every live capable agent refusing it, made it REJECTED
+    (NO_CAPABLE_AGENT). A release sends it back to its set whoever is live."""
+    async with make_bus(real_backend, servers) as bus:
+        client = bus.client("req")
+        await live(bus, "stuck-a", "ghost")  # capable while ref-b refuses: the refusal routes it on
+        handle = await client.request_handoff(routed(["x"], timeout=60))
+        refuser = Specialist("ref-b", ["x"], refuse=Reject(reason="no", code="NO"))
+        async with serving(bus, refuser):
+            with anyio.fail_after(10):
+                while not any(s.event == "REFUSED" for s in (await client.get_handoff_status(handle.handoff_id)).route):
+                    await bus.sweeper.wait_pass()
+        await bus.redis.hdel(bus.keys.workers("stuck-a"), "ghost")
+        stuck = _Holding("stuck-a")
+        async with serving(bus, stuck, grace=2.0):  # its beat says DRAINING during the grace
+            with anyio.fail_after(10):
+                await stuck.holding.wait()
+        after_drain = await client.get_handoff_status(handle.handoff_id)
+        async with serving(bus, Specialist("stuck-a", ["x"])):  # the restarted worker
+            [outcome] = await outcomes([handle], limit=10)
+    assert after_drain.status is S.PENDING and after_drain.route[-1].event == "RELEASED"
+    assert outcome.status is S.COMPLETED and outcome.result == {"by": "stuck-a"}
+
+
+async def test_a_stop_leaves_a_routed_handoff_another_worker_of_its_agent_claimed(
+    real_backend: str, servers: dict
+) -> None:
+    """w1 was slow in its hook, and w2 (the same agent) claimed its entry and runs the hook now;
+    then w1 stops. Its release settled w2's entry and routed the handoff again: w2 pulled it a
+    second time, and the work ran twice. The stop now leaves it to w2."""
+    async with make_bus(real_backend, servers) as bus:
+        client = bus.client("req")
+        handle = await client.request_handoff(routed(["x"], timeout=60))
+        gate = anyio.Event()
+        slow, claimer = _Holding("a"), _Holding("a", gate)
+        async with anyio.create_task_group() as tg:
+            async with serving(bus, slow, grace=0.05, reclaim_idle=30, consumer="w1"):
+                with anyio.fail_after(10):
+                    await slow.holding.wait()
+                w2 = Worker(bus, claimer, reclaim_idle=0.3, consumer="w2")
+                await tg.start(w2.run)
+                with anyio.fail_after(10):
+                    await claimer.holding.wait()  # w2 claimed w1's idle entry and runs its hook
+            stopped = await client.get_handoff_status(handle.handoff_id)  # w1 has wound down
+            gate.set()
+            [outcome] = await outcomes([handle], limit=10)
+            w2.drain()
+    assert [(s.agent, s.event) for s in stopped.route] == [("a", "OFFERED")]
+    assert outcome.status is S.COMPLETED and (claimer.hooked, claimer.works) == (1, 1)
 
 
 async def test_a_release_changes_nothing_unless_the_handoff_is_offered_to_the_releasing_agent(

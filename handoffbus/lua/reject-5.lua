@@ -50,6 +50,6 @@ end
 redis.call('HSET', KEYS[1], 'to', '', 'refused', refused, 'deferred', deferred, 'updated', fmt(now))
 chain_add(KEYS[1], rec[4], actor, event, now, fields.code)
 -- routed again by the sweep if the caller does not get to it
-redis.call('ZADD', KEYS[3], now + tonumber(fields.guard or 5000), 'o:' .. ARGV[2])
+redis.call('ZADD', KEYS[3], now + (tonumber(fields.guard) or 5000), 'o:' .. ARGV[2])
 local info = route_info(KEYS[1])
 return {2, actor, info[1], info[2], info[3], info[4], info[5], info[6], info[7], fields.redirect or false}

@@ -12,6 +12,9 @@
           of a transition's, so that the forwarder checks and pins it as one)
   ARGV[6] routing guard ms (see request-6.lua)
 
+  The caller settles the handoff's inbox entry first (requeue-5.lua, settling only), and only
+  if its consumer still holds it: a handoff another worker of the agent claimed is left to it.
+
   Returns:
     {2, agent, handoff id, capability set, priority, created, deadline, refused, deferred, false}
        released: route it again with these (the shape of reject's routed refusal)
@@ -22,7 +25,7 @@
 -- @include record
 
 local rec = redis.call('HMGET', KEYS[1], 'routed', 'status', 'to', 'chain')
-local agent = ARGV[3]
+local agent, guard = ARGV[3], tonumber(ARGV[6]) or 5000
 if rec[1] ~= '1' or rec[2] ~= 'PENDING' or rec[3] ~= agent or redis.call('EXISTS', KEYS[2]) == 0 then
   return {0}
 end
@@ -30,6 +33,6 @@ local now = now_ms()
 redis.call('HSET', KEYS[1], 'to', '', 'updated', fmt(now))
 chain_add(KEYS[1], rec[4], agent, 'RELEASED', now, nil)
 -- the offer's entry becomes a routing guard: the sweep routes it if the caller does not
-redis.call('ZADD', KEYS[3], now + tonumber(ARGV[6]), 'o:' .. ARGV[2])
+redis.call('ZADD', KEYS[3], now + guard, 'o:' .. ARGV[2])
 local info = route_info(KEYS[1])
 return {2, agent, info[1], info[2], info[3], info[4], info[5], info[6], info[7], false}

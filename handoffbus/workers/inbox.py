@@ -73,6 +73,11 @@ class Inbox:
         False: left alone, another consumer claimed it meanwhile."""
         return bool(await self._bus.script("requeue", self._keys, [GROUP, handoff_id, priority, self.consumer]))
 
+    async def give_up(self, handoff_id: str) -> bool:
+        """Settle a handoff taken here, if this consumer still holds it, without queueing it
+        again (a routed one, to be released to its set); False: left alone, as ``requeue``."""
+        return bool(await self._bus.script("requeue", self._keys, [GROUP, handoff_id, 0, self.consumer, "1"]))
+
     async def retire(self, consumers: Sequence[str]) -> int:
         """Delete those of ``consumers`` that are gone and hold nothing from the group (see
         retire-1.lua); returns how many were."""

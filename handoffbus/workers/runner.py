@@ -270,13 +270,18 @@ class Worker:
         while self._give_back:
             hid, request = self._give_back[0]
             try:
-                released = not request.to_agent and await self.bus.router.release(self.agent.agent_id, hid)
-                if not released and not await self._inbox.requeue(hid, request.priority):
+                if not request.to_agent:  # its entry first, and only if still this worker's
+                    given_up = await self._inbox.give_up(hid)
+                    if given_up:
+                        await self.bus.router.release(self.agent.agent_id, hid)  # False: decided, lapsed...
+                else:
+                    given_up = await self._inbox.requeue(hid, request.priority)
+                if not given_up:
                     self._log.info("%s: %s was settled (cancelled or expired) or claimed by another worker "
                                    "meanwhile; left alone", self.consumer, hid, extra={"handoff_id": hid})
             except (RedisError, OSError, HandoffbusError) as exc:  # the bus closing too
-                self._log.warning("%s: could not hand %s back (%s); it stays in this worker's pending "
-                                  "entries, to be reclaimed", self.consumer, hid, exc, extra={"handoff_id": hid})
+                self._log.warning("%s: could not hand %s back (%s); a reclaim of its entry, or the lapse of its "
+                                  "offer, brings it back", self.consumer, hid, exc, extra={"handoff_id": hid})
             del self._give_back[0]
 
     async def _join(self) -> None:
