@@ -190,17 +190,18 @@ async def _round_trip(
     conn: Any, data: bytes, count: int, asking: list[bool] | None = None, reply_wait: float | None = None
 ) -> list[Any]:
     """Write ``data`` (``count`` commands, each after an ASKING where ``asking`` says so) and
-    read their replies, all within ``reply_wait`` seconds if given (redis-py's TimeoutError
-    after it); an error reply is returned as its exception, in its command's place. A failure
-    raised carries the replies read before it as ``replies_read``: their commands ran."""
+    read their replies, each within ``reply_wait`` seconds if given (the first one after the
+    write, plus what a slow link needs for a large one: see ``SLOWEST_LINK``), else redis-py's
+    TimeoutError; an error reply is returned as its exception, in its command's place. A
+    failure raised carries the replies read before it as ``replies_read``: their commands ran."""
     replies: list[Any] = []
     try:
         if not reply_wait:
             await _send_and_read(conn, data, count, asking, replies)
         else:
             try:
-                with anyio.fail_after(reply_wait):  # one deadline for the batch: cheaper than one per reply
-                    await _send_and_read(conn, data, count, asking, replies)
+                with anyio.fail_after(reply_wait + len(data) / SLOWEST_LINK) as scope:
+                    await _send_and_read(conn, data, count, asking, replies, scope, reply_wait)
             except TimeoutError:
                 raise RedisTimeoutError(f"no reply within {reply_wait:g} s") from None
     except BaseException as exc:
@@ -211,7 +212,10 @@ async def _round_trip(
     return replies
 
 
-async def _send_and_read(conn: Any, data: bytes, count: int, asking: list[bool] | None, replies: list[Any]) -> None:
+async def _send_and_read(
+    conn: Any, data: bytes, count: int, asking: list[bool] | None, replies: list[Any],
+    scope: anyio.CancelScope | None = None, reply_wait: float = 0.0,
+) -> None:
     await conn.send_packed_command(data, check_health=False)
     # the parser itself, when it has one: redis-py's per-reply wrapper (timeouts, host
     # bookkeeping) costs more than the reply; hiredis hands error replies back as values
@@ -224,6 +228,8 @@ async def _send_and_read(conn: Any, data: bytes, count: int, asking: list[bool] 
             replies.append(await read())
         except ResponseError as exc:  # an error reply answers its own call only
             replies.append(exc)
+        if scope is not None and i + 1 < count:  # a server that answers is not silent: the next one has as long
+            scope.deadline = anyio.current_time() + reply_wait
 
 
 #: seconds one server may take to answer a batch of calls before they fail as on a lost
@@ -231,6 +237,10 @@ async def _send_and_read(conn: Any, data: bytes, count: int, asking: list[bool] 
 #: off where no reset reaches us) would otherwise hold the batcher's senders, and with them
 #: every call, for ever (TCP keepalive does not notice a live host whose server is stuck)
 REPLY_WAIT = 10.0
+#: bytes per second the slowest link is taken to carry: a write of ``n`` bytes adds
+#: ``n / SLOWEST_LINK`` seconds to the wait for its first reply (most of a large write sits
+#: in socket buffers when the send returns, so the reply's wait covers its way to the server)
+SLOWEST_LINK = 64 * 1024
 
 
 class Line:
@@ -262,7 +272,10 @@ class Line:
             conn = None
         if conn is None:
             try:
-                with anyio.fail_after(REPLY_WAIT):  # a pooled one is checked, a new one greets: both ask the server
+                # a pooled one is checked, a new one greets: both ask the server. asyncio's
+                # timeout cancels once, so the pool's own cleanup (a release, under its lock)
+                # still runs; anyio's would cancel that too and leak the connection
+                async with asyncio.timeout(REPLY_WAIT):
                     conn = await self._pool.get_connection()
             except TimeoutError:
                 raise RedisTimeoutError(f"no connection within {REPLY_WAIT:g} s") from None
@@ -282,7 +295,13 @@ class Line:
         is raised. The connection's health check, if the client asks for one, runs first.
         Awaited ``REPLY_WAIT`` seconds past ``blocks``, the time the command itself may block."""
         conn = await self._connection()
-        await conn.check_health()
+        try:
+            async with asyncio.timeout(REPLY_WAIT):  # a PING, if the URL asks for health checks
+                await conn.check_health()
+        except TimeoutError:
+            with anyio.CancelScope(shield=True):
+                await conn.disconnect()  # its PONG, if it comes, would answer the next command
+            raise RedisTimeoutError(f"no reply to a health check within {REPLY_WAIT:g} s") from None
         (reply,) = await _round_trip(conn, pack_command(args), 1, reply_wait=blocks + REPLY_WAIT)
         if isinstance(reply, Exception):
             raise reply

@@ -204,6 +204,30 @@ async def test_a_server_that_stops_answering_fails_calls_and_reads_without_a_soc
     assert outcome.status is S.COMPLETED and outcome.result == "ok"
 
 
+async def test_a_large_request_over_a_slow_but_steady_link_is_not_taken_for_silence(
+    own_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every chunk gets through within 0.1 s, but a 900 KB envelope takes longer than the
+    reply wait to cross: the bound on a server that stops answering must not fail (for good:
+    a retry is as large) a call that is on its way."""
+    monkeypatch.setattr(wire, "REPLY_WAIT", 1.0)
+    async with anyio.create_task_group() as tg:
+        proxy = FaultProxy(own_server.port)
+        await tg.start(proxy.serve)
+        async with HandoffBus.connect(proxy.url, sweep_interval=3600) as bus:
+            client = bus.client("req")
+            assert await client.get_handoff_status("req/warm-up") is None  # connected before the link slows
+            proxy.delay = 0.1
+            started = anyio.current_time()
+            handle = await client.request_handoff(req("req", "echo-1", context_snapshot=os.urandom(900_000)))
+            took = anyio.current_time() - started
+            proxy.delay = 0.0
+            record = await client.get_handoff_status(handle.handoff_id)
+        tg.cancel_scope.cancel()
+    assert took > wire.REPLY_WAIT  # the link was that slow
+    assert record is not None and record.status is S.PENDING and len(record.request.context_snapshot or b"") == 900_000
+
+
 async def test_script_cache_flushed_mid_run_fails_no_call(
     real_backend: str, servers: dict, caplog: pytest.LogCaptureFixture
 ) -> None:
