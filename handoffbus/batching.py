@@ -25,7 +25,7 @@ from anyio.abc import TaskStatus
 from .cluster import ClusterSender, is_cluster
 from .errors import HandoffbusError, ScriptsFlushed
 from .scripts import GET, SET, Reload, Script, Scripts
-from .wire import Group, Line, ScriptCall, no_script, unsendable, with_unsendable
+from .wire import Group, Line, ScriptCall, Watcher, no_script, unsendable, with_unsendable
 
 __all__ = ["ScriptBatcher"]
 
@@ -53,6 +53,8 @@ class ScriptBatcher:
         self._cluster = ClusterSender(redis, self._in_flight, self._reload) if is_cluster(redis) else None
         #: on one server, where each sender's kept connection comes from (see wire.Line)
         self._lines: Any = None
+        #: bounds the exchanges of the senders' lines, and of the bus's others (``Line``)
+        self.watcher = Watcher()
         if direct and self._cluster is None:
             self._lines = lines if lines is not None else redis.connection_pool
 
@@ -96,6 +98,8 @@ class ScriptBatcher:
             async with anyio.create_task_group() as tg:
                 for _ in range(self._senders):
                     tg.start_soon(self._sender)
+                if self._lines is not None:
+                    tg.start_soon(self.watcher.run)
                 if self._cluster is not None:
                     tg.start_soon(self._cluster.run)
                 task_status.started()
@@ -109,7 +113,7 @@ class ScriptBatcher:
                 await self._cluster.close()
 
     async def _sender(self) -> None:
-        line = None if self._lines is None else Line(self._lines)
+        line = None if self._lines is None else Line(self._lines, self.watcher)
         try:
             while True:
                 while not self._queue:

@@ -250,7 +250,9 @@ class HandoffBus:
     def blocking_line(self) -> Line | None:
         """A connection of its own for a reader that blocks all the time (see ``wire.Line``);
         None where the bus's client serves blocking reads (use ``blocking_redis``)."""
-        return None if self._lines is None else Line(self._lines)
+        if self._lines is None:
+            return None
+        return Line(self._lines, None if self._batcher is None else self._batcher.watcher)
 
     async def _close_blocking(self) -> None:
         blocking, self._blocking = self._blocking, None

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import weakref
+from collections.abc import Awaitable
 from typing import Any
 
 import anyio
@@ -119,13 +121,14 @@ def pack_call(call: ScriptCall, guard: bool = False) -> bytes:
 
 
 async def exchange(
-    conn: Any, calls: list[ScriptCall], asking: list[bool] | None = None, reply_wait: float | None = None
+    conn: Any, calls: list[ScriptCall], asking: list[bool] | None = None, reply_wait: float | None = None,
+    watch: Line | None = None,
 ) -> list[Any]:
     """Write the calls as one write on one connection, then read one reply per call. On a
     cluster node (``asking`` given) each call declares its guard key, and a call marked in
     ``asking`` goes right after an ASKING, which applies to the next command only. Each reply
-    batch's replies are awaited ``reply_wait`` seconds at most, or the connection's socket
-    timeout if shorter."""
+    is awaited ``reply_wait`` seconds at most (see ``_round_trip``), or the connection's socket
+    timeout if shorter; ``watch``: the Line whose watcher bounds the wait instead."""
     try:
         if asking is None:
             data = b"".join(pack_call(call) for call in calls)
@@ -133,10 +136,10 @@ async def exchange(
             data = b"".join((_ASKING if ask else b"") + pack_call(call, guard=True)
                             for call, ask in zip(calls, asking, strict=True))
     except (UnicodeEncodeError, TypeError):  # nothing was sent: send what can be, each other call hears why not
-        return await _without_unsendable(conn, calls, asking, reply_wait)
+        return await _without_unsendable(conn, calls, asking, reply_wait, watch)
     # a script never blocks: the connection's socket timeout, if its URL set one, bounds each reply
     waits = [w for w in (reply_wait, getattr(conn, "socket_timeout", None)) if w]
-    return await _round_trip(conn, data, len(calls), asking, min(waits) if waits else None)
+    return await _round_trip(conn, data, len(calls), asking, min(waits) if waits else None, watch)
 
 
 def unsendable(calls: list[ScriptCall]) -> dict[int, EncodeError]:
@@ -158,7 +161,7 @@ def unsendable(calls: list[ScriptCall]) -> dict[int, EncodeError]:
 
 
 async def _without_unsendable(
-    conn: Any, calls: list[ScriptCall], asking: list[bool] | None, reply_wait: float | None
+    conn: Any, calls: list[ScriptCall], asking: list[bool] | None, reply_wait: float | None, watch: Line | None
 ) -> list[Any]:
     """``exchange`` of the calls that can be packed; the others answered by their EncodeError.
     A failure raised carries ``replies_read`` for the calls in order, as ``exchange`` does."""
@@ -168,7 +171,7 @@ async def _without_unsendable(
     try:
         if sent:
             replies = await exchange(conn, [calls[i] for i in sent],
-                                     None if asking is None else [asking[i] for i in sent], reply_wait)
+                                     None if asking is None else [asking[i] for i in sent], reply_wait, watch)
     except BaseException as exc:
         replies = getattr(exc, "replies_read", [])
         # the calls in order up to the first one sent and not answered
@@ -187,21 +190,26 @@ def with_unsendable(errors: dict[int, EncodeError], replies: list[Any], count: i
 
 
 async def _round_trip(
-    conn: Any, data: bytes, count: int, asking: list[bool] | None = None, reply_wait: float | None = None
+    conn: Any, data: bytes, count: int, asking: list[bool] | None = None, reply_wait: float | None = None,
+    watch: Line | None = None, blocks: float = 0.0,
 ) -> list[Any]:
     """Write ``data`` (``count`` commands, each after an ASKING where ``asking`` says so) and
     read their replies, each within ``reply_wait`` seconds if given (the first one after the
     write, plus what a slow link needs for a large one: see ``SLOWEST_LINK``), else redis-py's
     TimeoutError; an error reply is returned as its exception, in its command's place. A
-    failure raised carries the replies read before it as ``replies_read``: their commands ran."""
+    failure raised carries the replies read before it as ``replies_read``: their commands ran.
+    ``watch``: the Line to tell when this exchange is due (``blocks`` seconds later for a command
+    that blocks) and how many replies it has read."""
     replies: list[Any] = []
     try:
+        if watch is not None:
+            watch.due = asyncio.get_running_loop().time() + blocks + REPLY_WAIT + len(data) / SLOWEST_LINK
         if not reply_wait:
-            await _send_and_read(conn, data, count, asking, replies)
+            await _send_and_read(conn, data, count, asking, replies, watch)
         else:
             try:
                 with anyio.fail_after(reply_wait + len(data) / SLOWEST_LINK) as scope:
-                    await _send_and_read(conn, data, count, asking, replies, scope, reply_wait)
+                    await _send_and_read(conn, data, count, asking, replies, watch, scope, reply_wait)
             except TimeoutError:
                 raise RedisTimeoutError(f"no reply within {reply_wait:g} s") from None
     except BaseException as exc:
@@ -209,11 +217,14 @@ async def _round_trip(
             await conn.disconnect()  # the replies left on the wire belong to no one now
         exc.replies_read = replies  # type: ignore[attr-defined]
         raise
+    finally:
+        if watch is not None:
+            watch.due = 0.0
     return replies
 
 
 async def _send_and_read(
-    conn: Any, data: bytes, count: int, asking: list[bool] | None, replies: list[Any],
+    conn: Any, data: bytes, count: int, asking: list[bool] | None, replies: list[Any], watch: Line | None,
     scope: anyio.CancelScope | None = None, reply_wait: float = 0.0,
 ) -> None:
     await conn.send_packed_command(data, check_health=False)
@@ -228,8 +239,14 @@ async def _send_and_read(
             replies.append(await read())
         except ResponseError as exc:  # an error reply answers its own call only
             replies.append(exc)
-        if scope is not None and i + 1 < count:  # a server that answers is not silent: the next one has as long
-            scope.deadline = anyio.current_time() + reply_wait
+        if watch is not None:
+            watch.read += 1
+        # a server that answers is not silent: the next reply has the wait again (at least half
+        # of it: moving the deadline reschedules a timer, too dear to do for every reply)
+        if scope is not None and i + 1 < count:
+            now = asyncio.get_running_loop().time()  # anyio's clock on asyncio, without its lookups
+            if scope.deadline - now < reply_wait / 2:
+                scope.deadline = now + reply_wait
 
 
 #: seconds one server may take to answer a batch of calls before they fail as on a lost
@@ -241,6 +258,25 @@ REPLY_WAIT = 10.0
 #: ``n / SLOWEST_LINK`` seconds to the wait for its first reply (most of a large write sits
 #: in socket buffers when the send returns, so the reply's wait covers its way to the server)
 SLOWEST_LINK = 64 * 1024
+
+
+class Watcher:
+    """Bounds the exchanges of the lines given to it without a timer each (one per batch cost
+    a few percent of a handoff's CPU): one look every second, or a quarter of ``REPLY_WAIT``
+    if shorter (see ``Line.check``)."""
+
+    def __init__(self) -> None:
+        self._lines: weakref.WeakSet[Line] = weakref.WeakSet()  # a line dropped by its owner leaves
+
+    def add(self, line: Line) -> None:
+        self._lines.add(line)
+
+    async def run(self) -> None:
+        while True:
+            await anyio.sleep(min(1.0, REPLY_WAIT / 4))
+            now = anyio.current_time()
+            for line in list(self._lines):
+                line.check(now)
 
 
 class Line:
@@ -258,12 +294,36 @@ class Line:
     #: seconds a connection is kept before it goes back to the pool and is taken again
     HOLD = 1.0
 
-    __slots__ = ("_conn", "_pool", "_taken")
+    __slots__ = ("__weakref__", "_conn", "_pool", "_seen", "_taken", "_watched", "due", "read", "stalled")
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, watcher: Watcher | None = None) -> None:
+        """``watcher``: what bounds its exchanges; without one, a timer for each does."""
         self._pool = pool
         self._conn: Any = None
         self._taken = 0.0
+        self._watched = watcher is not None
+        if watcher is not None:
+            watcher.add(self)
+        # an exchange's bound, kept by a watcher (``check``) rather than a timer per exchange:
+        # when it is due (loop time; 0: none in flight), replies it has read, and as last seen
+        self.due = 0.0
+        self.read = self._seen = 0
+        self.stalled = False
+
+    def check(self, now: float) -> None:
+        """A watcher's look: an exchange past its due time with
+        no reply since the last look has its connection cut, and fails as timed out (a server
+        that answers gets the wait again)."""
+        if not self.due:
+            return
+        if self.read != self._seen:
+            self._seen = self.read
+            self.due = max(self.due, now + REPLY_WAIT)
+        elif now > self.due and self._conn is not None:
+            self.stalled = True
+            writer = getattr(self._conn, "_writer", None)
+            if writer is not None:
+                writer.transport.abort()  # the read waiting on it fails now
 
     async def _connection(self) -> Any:
         conn, now = self._conn, time.monotonic()
@@ -287,7 +347,10 @@ class Line:
         return conn
 
     async def exchange(self, calls: list[ScriptCall]) -> list[Any]:
-        return await exchange(await self._connection(), calls, reply_wait=REPLY_WAIT)
+        conn = await self._connection()
+        if not self._watched:
+            return await exchange(conn, calls, reply_wait=REPLY_WAIT)
+        return await self._bounded(exchange(conn, calls, watch=self))
 
     async def command(self, *args: Any, blocks: float = 0.0) -> Any:
         """One command's reply, packed and parsed without redis-py's per-command layers (its
@@ -295,17 +358,34 @@ class Line:
         is raised. The connection's health check, if the client asks for one, runs first.
         Awaited ``REPLY_WAIT`` seconds past ``blocks``, the time the command itself may block."""
         conn = await self._connection()
-        try:
-            async with asyncio.timeout(REPLY_WAIT):  # a PING, if the URL asks for health checks
-                await conn.check_health()
-        except TimeoutError:
-            with anyio.CancelScope(shield=True):
-                await conn.disconnect()  # its PONG, if it comes, would answer the next command
-            raise RedisTimeoutError(f"no reply to a health check within {REPLY_WAIT:g} s") from None
-        (reply,) = await _round_trip(conn, pack_command(args), 1, reply_wait=blocks + REPLY_WAIT)
+        if getattr(conn, "health_check_interval", 0):
+            try:
+                async with asyncio.timeout(REPLY_WAIT):  # its PING
+                    await conn.check_health()
+            except TimeoutError:
+                with anyio.CancelScope(shield=True):
+                    await conn.disconnect()  # its PONG, if it comes, would answer the next command
+                raise RedisTimeoutError(f"no reply to a health check within {REPLY_WAIT:g} s") from None
+        data = pack_command(args)
+        if self._watched:
+            (reply,) = await self._bounded(_round_trip(conn, data, 1, watch=self, blocks=blocks))
+        else:
+            (reply,) = await _round_trip(conn, data, 1, reply_wait=blocks + REPLY_WAIT)
         if isinstance(reply, Exception):
             raise reply
         return reply
+
+    async def _bounded(self, exchange: Awaitable[list[Any]]) -> list[Any]:
+        """The exchange's replies; its failure as a timeout if the watcher cut it off."""
+        self.stalled = False
+        try:
+            return await exchange
+        except Exception as exc:
+            if not self.stalled:
+                raise
+            timeout = RedisTimeoutError(f"no reply within {REPLY_WAIT:g} s")
+            timeout.replies_read = getattr(exc, "replies_read", [])  # type: ignore[attr-defined]
+            raise timeout from None
 
     async def close(self) -> None:
         conn, self._conn = self._conn, None
