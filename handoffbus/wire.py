@@ -294,7 +294,7 @@ class Line:
     #: seconds a connection is kept before it goes back to the pool and is taken again
     HOLD = 1.0
 
-    __slots__ = ("__weakref__", "_conn", "_pool", "_seen", "_taken", "_watched", "due", "read", "stalled")
+    __slots__ = ("__weakref__", "_buffered", "_conn", "_pool", "_seen", "_taken", "_watched", "due", "read", "stalled")
 
     def __init__(self, pool: Any, watcher: Watcher | None = None) -> None:
         """``watcher``: what bounds its exchanges; without one, a timer for each does."""
@@ -307,17 +307,20 @@ class Line:
         # an exchange's bound, kept by a watcher (``check``) rather than a timer per exchange:
         # when it is due (loop time; 0: none in flight), replies it has read, and as last seen
         self.due = 0.0
-        self.read = self._seen = 0
+        self.read = self._seen = self._buffered = 0
         self.stalled = False
 
     def check(self, now: float) -> None:
-        """A watcher's look: an exchange past its due time with
-        no reply since the last look has its connection cut, and fails as timed out (a server
-        that answers gets the wait again)."""
+        """A watcher's look: an exchange past its due time with no reply, and no part of one,
+        since the last look has its connection cut, and fails as timed out (a server that
+        answers gets the wait again)."""
         if not self.due:
             return
-        if self.read != self._seen:
-            self._seen = self.read
+        # bytes of a reply not yet whole, in hiredis' reader: a large one on a slow link
+        reader = getattr(getattr(self._conn, "_parser", None), "_reader", None)
+        buffered = reader.len() if reader is not None and hasattr(reader, "len") else 0
+        if self.read != self._seen or buffered != self._buffered:
+            self._seen, self._buffered = self.read, buffered
             self.due = max(self.due, now + REPLY_WAIT)
         elif now > self.due and self._conn is not None:
             self.stalled = True
