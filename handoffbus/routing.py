@@ -76,6 +76,9 @@ class Reroute(NamedTuple):
     refused: str  # ",a,b,"
     deferred: str  # ",a=<until ms>,"
     redirect: str | None = None
+    #: whether routing it may end it (REJECTED, NO_CAPABLE_AGENT) when every live capable
+    #: agent refused it; not after a release: the agent that gave it back is only restarting
+    may_end: bool = True
 
     @classmethod
     def of(cls, values: Sequence[Any], redirect: Any = None) -> Reroute:
@@ -335,20 +338,20 @@ class Router:
         is live (the agent that released it is only restarting: a release is never final)."""
         item = Reroute.read(reply[2:9], f"sending {handoff_id} back to its set")
         if item is not None:
-            await self.reroute([item], may_end=False)
+            await self.reroute([item._replace(may_end=False)])
 
-    async def reroute(self, items: Sequence[Reroute], *, may_end: bool = True) -> list[HandoffResponse | None]:
+    async def reroute(self, items: Sequence[Reroute]) -> list[HandoffResponse | None]:
         """Send each handoff on: to the agent it was redirected to if that one is capable and
         live, else back to its set's queue (waking capable agents), else, when every capable
-        agent refused it (and ``may_end``), to REJECTED with NO_CAPABLE_AGENT. Returns that
+        agent refused it (and it ``may_end``), to REJECTED with NO_CAPABLE_AGENT. Returns that
         REJECTED response, or None where the handoff stays PENDING."""
         if not items:
             return []
         bus = self._bus
         items = [item.within(int(bus.config.max_timeout * 1000)) for item in items]
         agents = await self.directory.agents(max_age=0.5)
-        if may_end and any(item.refused_agents and not Directory.capable(agents, item.caps, exclude=item.refused_agents)
-                         for item in items):
+        if any(item.may_end and item.refused_agents
+               and not Directory.capable(agents, item.caps, exclude=item.refused_agents) for item in items):
             agents = await self.directory.agents(max_age=0)  # NO_CAPABLE_AGENT is final: decide on a fresh view
         now_ms = await bus.now_ms()  # deferrals are in the server's time
         results: list[HandoffResponse | None] = [None] * len(items)
@@ -360,7 +363,7 @@ class Router:
             names = {a.agent_id for a in candidates}
             if item.redirect and item.redirect in names and not still_deferred(item.deferred, item.redirect, now_ms):
                 redirected.append(item)
-            elif may_end and not candidates and item.refused_agents:
+            elif item.may_end and not candidates and item.refused_agents:
                 final.append((i, len(calls)))
                 calls.append(self.unroutable_call(item.handoff_id, item.refused_agents))
             else:

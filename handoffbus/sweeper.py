@@ -119,9 +119,10 @@ class Sweeper:
                         if reply[i + 2]:  # routed: its set's queue may hold it still, for no one
                             unrouted.append((reply[i + 2].decode(), hid))
                     for i in range(n_lapsed):
-                        item = Reroute.read(reply[pairs_end + 7 * i:pairs_end + 7 * i + 7], "expiry sweep")
+                        values = reply[pairs_end + 8 * i:pairs_end + 8 * i + 8]
+                        item = Reroute.read(values[:7], "expiry sweep")
                         if item is not None:
-                            lapsed.append(item)
+                            lapsed.append(item._replace(may_end=values[7] != b"0"))
                 if by_target:
                     await bus.settle_expired(by_target)
                 await bus.drop_routes(unrouted)

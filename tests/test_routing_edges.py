@@ -359,8 +359,9 @@ async def test_a_release_in_a_rolling_restart_is_not_final(real_backend: str, se
     """ref-b refused; stuck-a, the only other capable agent, is restarted while its hook holds
     the handoff (its worker says DRAINING: no capable agent is live). The release routed it on
     as a refusal would, and with every live capable agent refusing it, made it REJECTED
-    (NO_CAPABLE_AGENT). A release sends it back to its set whoever is live."""
-    async with make_bus(real_backend, servers) as bus:
+    (NO_CAPABLE_AGENT). A release sends it back to its set whoever is live, and so does the
+    sweep when the release's routing guard fires before the agent is back."""
+    async with make_bus(real_backend, servers, route_guard=0.3) as bus:
         client = bus.client("req")
         await live(bus, "stuck-a", "ghost")  # capable while ref-b refuses: the refusal routes it on
         handle = await client.request_handoff(routed(["x"], timeout=60))
@@ -375,9 +376,15 @@ async def test_a_release_in_a_rolling_restart_is_not_final(real_backend: str, se
             with anyio.fail_after(10):
                 await stuck.holding.wait()
         after_drain = await client.get_handoff_status(handle.handoff_id)
+        with anyio.fail_after(10):  # the restart takes longer than the guard: it fires
+            while await bus.redis.zscore(bus.keys.deadlines("req"), f"o:{handle.request_id}") is not None:
+                await bus.sweeper.wait_pass()
+            await bus.sweeper.wait_pass()  # and the pass that fired it has routed it
+        after_guard = await client.get_handoff_status(handle.handoff_id)
         async with serving(bus, Specialist("stuck-a", ["x"])):  # the restarted worker
             [outcome] = await outcomes([handle], limit=10)
     assert after_drain.status is S.PENDING and after_drain.route[-1].event == "RELEASED"
+    assert after_guard.status is S.PENDING
     assert outcome.status is S.COMPLETED and outcome.result == {"by": "stuck-a"}
 
 

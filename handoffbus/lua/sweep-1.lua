@@ -17,7 +17,8 @@
 
   Returns {expired count, lapsed count, (handoff id, to agent, capability set) per expired
   handoff, then per lapsed offer: handoff id, capability set, priority, created, deadline,
-  refused, deferred}. The capability set is '' for a direct handoff. The caller removes expired
+  refused, deferred, may end ('0' for the guard of a handoff its agent released: a release is
+  never final, see release-5.lua; else '1')}. The capability set is '' for a direct handoff. The caller removes expired
   handoffs from their target queues (to agent), and from their set's route queue (capability
   set: one not offered to an agent waits there), and routes lapsed ones again.
   Events: EXPIRED on <p>:{R}:responses for each expired handoff.
@@ -57,6 +58,9 @@ for _, member in ipairs(due) do
     end
     local info = route_info(keys[1])
     for i = 1, #info do lapsed[#lapsed + 1] = info[i] end
+    -- the guard of a release, the last step of its route (chain_add: [agent, event, ts, code])
+    local released = rec.to == '' and string.find(rec.chain or '', ',"RELEASED",%d+,""%]%]$') ~= nil
+    lapsed[#lapsed + 1] = released and '0' or '1'
     out[2] = out[2] + 1
   end
   -- else the marker outlives TIME by under a millisecond: the next pass takes it
