@@ -30,6 +30,7 @@ from handoffbus import (
     wire,
 )
 from handoffbus.keys import GROUP
+from handoffbus.workers.inbox import Inbox
 
 from .agents import Echo, SlowEcho
 from .conftest import SERVER_BINARIES, make_bus, start_server
@@ -202,6 +203,33 @@ async def test_a_server_that_stops_answering_fails_calls_and_reads_without_a_soc
     finally:
         logging.getLogger("handoffbus").removeHandler(heard)
     assert outcome.status is S.COMPLETED and outcome.result == "ok"
+
+
+async def test_a_workers_doorbell_wait_on_a_server_that_stopped_answering_fails(
+    own_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle worker waits on its doorbell (XREAD BLOCK). On a server that stopped answering
+    the wait held for ever: the worker never took work again, even once the server was back
+    for every other connection. It fails now past its block, and the worker's loop retries."""
+    monkeypatch.setattr(wire, "REPLY_WAIT", 0.5)
+    async with anyio.create_task_group() as tg:
+        proxy = FaultProxy(own_server.port)
+        await tg.start(proxy.serve)
+        async with HandoffBus.connect(proxy.url, sweep_interval=3600) as bus:
+            inbox = Inbox(bus, "echo-1", "w1")
+            try:
+                bell, _ = await inbox.take(0)
+                assert not await inbox.wait(bell, 100)  # nothing queued: the block ran out
+                proxy.blackhole()
+                with anyio.fail_after(5), pytest.raises(RedisTimeoutError):
+                    await inbox.wait(bell, 100)
+                proxy.restore()
+                await bus.client("req").request_handoff(req("req", "echo-1"))  # rings the bell
+                with anyio.fail_after(5):
+                    assert await inbox.wait(bell, 5000)  # a new connection
+            finally:
+                await inbox.close()
+        tg.cancel_scope.cancel()
 
 
 async def test_a_large_request_over_a_slow_but_steady_link_is_not_taken_for_silence(

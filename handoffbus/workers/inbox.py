@@ -19,6 +19,7 @@ from ..records import Loaded
 
 if TYPE_CHECKING:
     from ..bus import HandoffBus
+    from ..wire import Line
 
 __all__ = ["Delivery", "Inbox", "Loaded"]
 
@@ -36,6 +37,7 @@ class Inbox:
         self.agent = check_name(agent, "agent id")
         self.consumer = check_name(consumer, "consumer name")
         self._keys = bus.keys.target(agent).as_list()
+        self._line: Line | None = None  # the doorbell's, made at the first wait
 
     async def take(self, count: int, settle: Iterable[str] = ()) -> tuple[bytes, list[Delivery]]:
         """Settle ``settle``, then take up to ``count`` handoffs in serving order.
@@ -51,9 +53,21 @@ class Inbox:
         return reply[0], taken
 
     async def wait(self, bell: bytes, block_ms: int) -> bool:
-        """Block until something is enqueued after ``bell`` (True) or ``block_ms`` pass (False)."""
-        reply = await self._bus.blocking_redis.xread({self._keys[4]: bell}, count=1, block=block_ms)
-        return bool(reply)
+        """Block until something is enqueued after ``bell`` (True) or ``block_ms`` pass (False).
+        On one server the wait reads through a watched line, so that a server that stops
+        answering fails it (``wire.REPLY_WAIT`` past the block) rather than hold it for ever."""
+        if self._line is None:
+            self._line = self._bus.blocking_line()
+        if self._line is None:  # a cluster, fakeredis
+            return bool(await self._bus.blocking_redis.xread({self._keys[4]: bell}, count=1, block=block_ms))
+        return bool(await self._line.command("XREAD", "COUNT", 1, "BLOCK", block_ms, "STREAMS", self._keys[4], bell,
+                                             blocks=block_ms / 1000))
+
+    async def close(self) -> None:
+        """Give the doorbell's connection back to the pool."""
+        line, self._line = self._line, None
+        if line is not None:
+            await line.close()
 
     async def restore(self) -> int:
         """Recreate the consumer group if it (or the inbox stream) was deleted, re-issuing an

@@ -191,6 +191,7 @@ class Worker:
             await self._hand_back()
         with anyio.move_on_after(REGISTER_WAIT, shield=True):
             await self._leave()
+        await self._inbox.close()  # shielded itself
 
     async def serve_until_signalled(self) -> None:
         """``run()`` with SIGTERM/SIGINT handling: the first drains, the second stops at once."""
