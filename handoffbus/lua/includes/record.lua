@@ -23,8 +23,10 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- an integral number (ms) as text: '%d' (a C long) formats it without the floating-point
+-- conversion '%.0f' or tostring() costs; every value given is a whole number of ms below 2^53
 local function fmt(n)
-  return string.format('%.0f', n)
+  return string.format('%d', n)
 end
 
 -- Fields a response carries besides id/status/actor/ts; read back by the client.
