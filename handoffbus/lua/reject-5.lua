@@ -27,6 +27,7 @@
   Events: one entry on KEYS[4]: id, status, actor, ts and the response fields (not for a refusal).
 ]]
 -- @include record
+-- @include offerback
 
 local rec = redis.call('HMGET', KEYS[1], 'routed', 'status', 'to', 'chain', 'refused', 'deferred')
 local actor = ARGV[3]
@@ -47,9 +48,5 @@ else
   deferred = defer(deferred, actor, nil)
   refused = refused .. actor .. ','
 end
-redis.call('HSET', KEYS[1], 'to', '', 'refused', refused, 'deferred', deferred, 'updated', fmt(now))
-chain_add(KEYS[1], rec[4], actor, event, now, fields.code)
--- routed again by the sweep if the caller does not get to it
-redis.call('ZADD', KEYS[3], now + (tonumber(fields.guard) or 5000), 'o:' .. ARGV[2])
-local info = route_info(KEYS[1])
-return {2, actor, info[1], info[2], info[3], info[4], info[5], info[6], info[7], fields.redirect or false}
+return offer_back(KEYS, ARGV[2], rec[4], actor, event, now, fields.code, tonumber(fields.guard) or 5000,
+  {'refused', refused, 'deferred', deferred}, fields.redirect)

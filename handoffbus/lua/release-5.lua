@@ -23,16 +23,12 @@
   Events: none (the requester hears nothing; the route shows RELEASED).
 ]]
 -- @include record
+-- @include offerback
 
 local rec = redis.call('HMGET', KEYS[1], 'routed', 'status', 'to', 'chain')
 local agent, guard = ARGV[3], tonumber(ARGV[6]) or 5000
 if rec[1] ~= '1' or rec[2] ~= 'PENDING' or rec[3] ~= agent or redis.call('EXISTS', KEYS[2]) == 0 then
   return {0}
 end
-local now = now_ms()
-redis.call('HSET', KEYS[1], 'to', '', 'updated', fmt(now))
-chain_add(KEYS[1], rec[4], agent, 'RELEASED', now, nil)
 -- the offer's entry becomes a routing guard: the sweep routes it if the caller does not
-redis.call('ZADD', KEYS[3], now + guard, 'o:' .. ARGV[2])
-local info = route_info(KEYS[1])
-return {2, agent, info[1], info[2], info[3], info[4], info[5], info[6], info[7], false}
+return offer_back(KEYS, ARGV[2], rec[4], agent, 'RELEASED', now_ms(), nil, guard, {}, false)
