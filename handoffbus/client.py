@@ -28,7 +28,7 @@ from .models import (
 )
 from .names import check_name, join_handoff_id, split_handoff_id
 from .policies.context import without_history
-from .records import response_from_reply
+from .records import made_response, response_from_reply
 from .routing import Call, Directory, capability_set, refusal_response, set_id
 from .scripts import STAGE_OVER, STAGED_TTL_MS
 from .signing import response_body
@@ -298,9 +298,10 @@ class HandoffClient:
             if value is not None:
                 args += [key, value]
         if bus.keyring is not None and bus.keyring.can_sign(self.agent_id):
-            status = SIGNED_STATUS[name]
-            args += ["sig", bus.keyring.sign(self.agent_id, "response", [handoff_id, status, self.agent_id],
-                                             response_body(fields), await self._bus.now_ms())]
+            sig = bus.keyring.sign(self.agent_id, "response", [handoff_id, SIGNED_STATUS[name], self.agent_id],
+                                   response_body(fields), await self._bus.now_ms())
+            args += ["sig", sig]
+            fields = {**fields, "sig": sig}
         if name == "reject":
             args += ["guard", int(bus.config.route_guard * 1000)]
         record_keys = bus.keys.record(requester, request_id).as_list()
@@ -332,7 +333,8 @@ class HandoffClient:
         if code < 0:
             raise_for_code(code, handoff_id, self.agent_id, name, reply[1] if len(reply) > 1 else None,
                            reply[2] if len(reply) > 2 else None)
-        response = response_from_reply(handoff_id, reply[2:], bus.codec)
+        response = (made_response(handoff_id, SIGNED_STATUS[name], self.agent_id, reply[2], reply[3], fields, bus.codec)
+                    if code == 1 else response_from_reply(handoff_id, reply[2:], bus.codec))
         if bus.tally.made(handoff_id, name, code):
             bus.tally.transition(self.agent_id, response.status, created_ms, response.timestamp_ms)
         if settle:

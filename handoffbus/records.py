@@ -14,8 +14,8 @@ from .models import HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatu
 from .names import split_handoff_id
 from .signing import SIGNED_RESPONSE_FIELDS, Keyring, response_body, unsigned_response
 
-__all__ = ["RESPONSE_FIELDS", "Loaded", "loaded_from_row", "poison_row", "record_from_hash", "response_from_fields",
-           "response_from_reply", "text"]
+__all__ = ["RESPONSE_FIELDS", "Loaded", "loaded_from_row", "made_response", "poison_row", "record_from_hash",
+           "response_from_fields", "response_from_reply", "text"]
 
 log = logging.getLogger("handoffbus")
 
@@ -84,6 +84,21 @@ def _metadata(handoff_id: str, meta: bytes | None, codec: PayloadCodec) -> dict[
 def response_from_reply(handoff_id: str, reply: Sequence[Any], codec: PayloadCodec) -> HandoffResponse:
     """Build a response from a transition script's reply (after its leading code)."""
     return response_from_fields(handoff_id, dict(zip(RESPONSE_FIELDS, reply, strict=False)), codec)
+
+
+def made_response(
+    handoff_id: str, status: str, actor: str, ts: bytes, owner: bytes | None, fields: Mapping[str, Any],
+    codec: PayloadCodec,
+) -> HandoffResponse:
+    """The response of a transition the caller has just made. Its script answers with what the
+    caller cannot know (the time, the owner) and no more: the rest is the caller's own fields,
+    as the script stored and sent them (values as they go on the wire; others than a response's
+    are ignored)."""
+    f: dict[bytes, Any] = {b"status": status.encode(), b"actor": actor.encode(), b"ts": ts, b"agent": owner}
+    for name, value in fields.items():
+        if value is not None:
+            f[name.encode()] = value if isinstance(value, bytes) else str(value).encode()
+    return response_from_fields(handoff_id, f, codec)
 
 
 def record_from_hash(f: Mapping[bytes, bytes], codec: PayloadCodec, keyring: Keyring | None = None) -> HandoffRecord:

@@ -9,9 +9,10 @@
 
   Allowed from: ACCEPTED.   Who: the accepting agent.
   Returns:
-    {1, to agent, status, actor, updated, agent, reason, code, retry, redirect, result, error, rmeta}
-       transition made; the response was appended to KEYS[4]
-    {0, to agent, ...same fields}  this actor already made this transition: nothing written or emitted
+    {1, to agent, ts, owner}  transition made; the response was appended to KEYS[4]: this status
+       and actor, ts, the owner (the accepting agent, if any) and the response fields of ARGV[6..]
+    {0, to agent, status, actor, updated, agent, reason, code, retry, redirect, result, error, rmeta, sig}
+       this actor already made this transition: nothing written or emitted
     {-1} no such handoff   {-2, current status, owner} invalid transition (owner: the agent that accepted it, if
        that is the acting agent or the requester; else false)
     {-3, to agent} the acceptance deadline passed (the record is now EXPIRED and EXPIRED was emitted)

@@ -12,9 +12,10 @@
 
   Allowed from: PENDING.   Who: the to_agent (for a routed handoff: the agent it is offered to).
   Returns:
-    {1, to agent, status, actor, updated, agent, reason, code, retry, redirect, result, error, rmeta}
-       transition made; the response was appended to KEYS[4]
-    {0, to agent, ...same fields}  this actor already made this transition: nothing written or emitted
+    {1, to agent, ts, owner}  transition made; the response was appended to KEYS[4]: this status
+       and actor, ts, the owner (the accepting agent, if any) and the response fields of ARGV[6..]
+    {0, to agent, status, actor, updated, agent, reason, code, retry, redirect, result, error, rmeta, sig}
+       this actor already made this transition: nothing written or emitted
     {2, to agent, handoff id, capability set, priority, created, deadline, refused, deferred, redirect}
        a routed handoff refused: it is PENDING with no agent; route it again (nothing emitted).
        With a retry time the agent is deferred until then rather than marked as refusing.

@@ -8,7 +8,8 @@
   ARGV[3] record retention ms   ARGV[4] response stream retention ms
   ARGV[5] reason   ARGV[6] rmeta (encoded {"refused": [...]})
 
-  Returns {1, to agent, <response>} as the transitions do (actor "_router"); {0} when it is
+  Returns {1, '', status, actor, updated, agent, reason, code, retry, redirect, result, error,
+  rmeta, sig} (actor "_router"); {0} when it is
   offered to an agent meanwhile (left alone); {-1} not found; {-2, status} not PENDING;
   {-3} expired (made EXPIRED now); {-4} not a routed handoff.
 ]]
@@ -23,5 +24,6 @@ if expire_if_due(KEYS, rec, request_id, now, retention_ms, response_retention_ms
 if rec.status ~= 'PENDING' then return {-2, rec.status} end
 if rec.routed ~= '1' then return {-4} end
 if rec.to ~= '' then return {0} end
-return {1, '', unpack(transition(KEYS, rec, request_id, 'REJECTED', '_router', now,
-  {'reason', ARGV[5], 'code', 'NO_CAPABLE_AGENT', 'rmeta', ARGV[6]}, retention_ms, response_retention_ms))}
+local ts, values = transition(KEYS, rec, request_id, 'REJECTED', '_router', now,
+  {'reason', ARGV[5], 'code', 'NO_CAPABLE_AGENT', 'rmeta', ARGV[6]}, retention_ms, response_retention_ms)
+return response_reply('REJECTED', '_router', ts, values, {1, ''})

@@ -56,11 +56,10 @@ end
   (status, actor, Redis time), leave the pending indexes when leaving PENDING, emit the
   response, and start the retention TTL once terminal. `rec` holds what the caller read:
   status, id, hist (a missing or malformed one starts anew) and agent (the owner, if any).
-  Names in history are validated by the client to [A-Za-z0-9_.:-]. Returns the response as
-  response_reply() builds it.
+  Names in history are validated by the client to [A-Za-z0-9_.:-]. Returns the transition's
+  ts (text) and the response's values (field name -> value), for response_reply().
 ]]
-local function transition(keys, rec, request_id, status, actor, now, extra, retention_ms, response_retention_ms,
-    head)
+local function transition(keys, rec, request_id, status, actor, now, extra, retention_ms, response_retention_ms)
   local key, ts = keys[1], fmt(now)
   -- a response carries its own transition's fields only (the owner, 'agent', stays)
   redis.call('HDEL', key, 'reason', 'code', 'retry', 'redirect', 'result', 'error', 'rmeta', 'sig')
@@ -94,7 +93,7 @@ local function transition(keys, rec, request_id, status, actor, now, extra, rete
     redis.call('PEXPIRE', key, retention_ms)
     redis.call('PEXPIRE', keys[5], retention_ms)
   end
-  return response_reply(status, actor, ts, values, head)
+  return ts, values
 end
 
 -- Read what transition() needs, as a table: status, id, hist, agent, plus `more` fields.
@@ -134,8 +133,9 @@ end
   `from` lists the statuses the transition may leave; `who` names who may make it:
   'target' (the to_agent, or anyone while to_agent is empty), 'owner' (the accepting agent),
   'requester' (the from_agent).
-  Returns {1, to agent, <response>} done now, {0, to agent, <response>} the same actor already did it (nothing
-  emitted), or {-1} not found, {-2, status, owner} invalid transition (owner: the accepting agent, told only to itself and the requester), {-3, to agent} made EXPIRED now ({-3, false}: it
+  Returns {1, to agent, ts, owner} done now (the response is the caller's own fields, with
+  this status, actor, ts and owner: no need to send them back), {0, to agent, <response>} the same
+  actor already did it (nothing emitted), or {-1} not found, {-2, status, owner} invalid transition (owner: the accepting agent, told only to itself and the requester), {-3, to agent} made EXPIRED now ({-3, false}: it
   was already), {-4} not permitted,
   {-6, holder} the lease is held by another consumer, {-9, field} a field it may not write.
 ]]
@@ -197,7 +197,8 @@ local function run_transition(status, from, who)
       extra[#extra + 1] = rmeta
     end
   end
-  return transition(KEYS, rec, request_id, status, actor, now, extra, retention_ms, response_retention_ms, {1, to})
+  local ts, values = transition(KEYS, rec, request_id, status, actor, now, extra, retention_ms, response_retention_ms)
+  return {1, to, ts, values.agent or false}
 end
 
 -- Append [agent, event, ts, code] to a routed record's chain (JSON text, like hist).
