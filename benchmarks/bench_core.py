@@ -56,7 +56,6 @@ from handoffbus import (
     serialize_context,
 )
 from handoffbus.runtime import backend_options, freeze_startup, uses_uvloop
-from handoffbus.scripts import SCRIPT_NAMES
 from handoffbus.workers.inbox import Delivery, Inbox
 
 REQUESTER = "bench-requester"
@@ -68,11 +67,11 @@ _SUBCOMMANDS = frozenset({"CLIENT", "CONFIG", "SCRIPT", "XGROUP", "XINFO", "COMM
 # ---------------------------------------------------------------------------- counting
 
 
-_EVALSHA = re.compile(rb"\*\d+\r\n\$7\r\nEVALSHA\r\n\$40\r\n([0-9a-f]{40})\r\n")
+_FCALL = re.compile(rb"\*\d+\r\n\$5\r\nFCALL\r\n\$\d+\r\n(hb_[0-9a-f]+_\w+)\r\n")
 
 
 class CommandCounter:
-    """Top-level commands sent by one client, by name; EVALSHA also by script.
+    """Top-level commands sent by one client, by name; FCALL also by script.
 
     ``record`` runs once per command on the hot path, so it only bumps a counter keyed by
     what redis-py passed; names are tidied up when a snapshot is taken.
@@ -80,11 +79,10 @@ class CommandCounter:
 
     def __init__(self) -> None:
         self._raw: Counter[Any] = Counter()
-        self.sha_names: dict[str, str] = {}
 
     def record(self, args: Sequence[Any]) -> None:
         head = args[0]
-        if head == "EVALSHA":
+        if head == "FCALL":
             self._raw[(head, args[1])] += 1
         elif head in _SUBCOMMANDS and len(args) > 1:
             self._raw[f"{head} {args[1]}"] += 1
@@ -96,9 +94,9 @@ class CommandCounter:
         scripts: Counter[str] = Counter()
         for key, count in self._raw.items():
             if isinstance(key, tuple):
-                commands["EVALSHA"] += count
-                sha = key[1].decode() if isinstance(key[1], bytes) else str(key[1])
-                scripts[self.sha_names.get(sha, sha[:12])] += count
+                commands["FCALL"] += count
+                function = key[1].decode() if isinstance(key[1], bytes) else str(key[1])
+                scripts[function.rsplit("_", 1)[-1] if function.startswith("hb_") else function] += count
             else:
                 # redis-py passes some subcommands inside the first argument ("CLIENT SETINFO")
                 name = key.decode() if isinstance(key, bytes) else str(key)
@@ -123,10 +121,10 @@ def counting_client(url: str, counter: CommandCounter, pool_options: dict[str, A
             return super().pack_command(*args)
 
         async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-            # handoffbus's script batcher writes pre-packed EVALSHA batches as one bytes object
+            # handoffbus's script batcher writes pre-packed FCALL batches as one bytes object
             if isinstance(command, bytes):
-                for sha in _EVALSHA.findall(command):
-                    counter.record(("EVALSHA", sha))
+                for function in _FCALL.findall(command):
+                    counter.record(("FCALL", function))
             await super().send_packed_command(command, check_health)
 
     CountingConnection.__name__ = f"Counting{base.__name__}"
@@ -449,7 +447,7 @@ def cost(window: Window, n: int) -> dict[str, Any]:
         "total_server_calls": round(sum(window.server_calls.values()) / n, 3),
         "top_level": round(sum(window.top_level.values()) / n, 3),
         "top_level_by_command": per(window.top_level, n),
-        "evalsha_by_script": per(window.scripts, n),
+        "fcall_by_script": per(window.scripts, n),
         "server_calls_by_command": per(window.server_calls, n),
         "server_usec_by_command": per(window.server_usec, n),
     }
@@ -485,8 +483,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             bus = await stack.enter_async_context(HandoffBus(client, prefix=prefix))
             if args.url is not None:
                 stack.push_async_callback(bus.clear, confirm=prefix)
-            for name in SCRIPT_NAMES:
-                counter.sha_names[getattr(bus.scripts, name).sha] = name
             inbox = Inbox(bus, TARGET, "consumer-1")
 
             # warm up both: scripts loaded, connection pools grown, code paths hot
@@ -503,9 +499,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 ours, window = await measured(stats, counter, lambda: ours_round(
                     bus, inbox, n, args.inflight, context))
                 ours["cost_per_lifecycle"] = cost(window, n)
-                if window.top_level.get("EVALSHA", 0) != window.server_calls.get("EVALSHA", 0):
-                    ours["warning"] = (f"client counted {window.top_level.get('EVALSHA', 0)} EVALSHA, "
-                                       f"server {window.server_calls.get('EVALSHA', 0)}")
+                if window.top_level.get("FCALL", 0) != window.server_calls.get("FCALL", 0):
+                    ours["warning"] = (f"client counted {window.top_level.get('FCALL', 0)} FCALL, "
+                                       f"server {window.server_calls.get('FCALL', 0)}")
                 ours_runs.append(ours)
 
     ceiling, ours = median_run(ceilings, "msgs_per_s"), median_run(ours_runs, "handoffs_per_s")
@@ -597,7 +593,7 @@ def render(result: dict[str, Any]) -> str:
                        f"(ratio {result['client_cpu_ratio_ours_to_ceiling']:.1%})"),
         ("server CPU", f"ours {oc['server_cpu_us']:.0f} us/lifecycle;  ceiling {cc['server_cpu_us']:.0f} us/msg"),
         ("ours top-level", ", ".join(f"{k} {v:g}" for k, v in oc["top_level_by_command"].items())),
-        ("ours EVALSHA by script", ", ".join(f"{k} {v:g}" for k, v in oc["evalsha_by_script"].items())),
+        ("ours FCALL by script", ", ".join(f"{k} {v:g}" for k, v in oc["fcall_by_script"].items())),
         ("ours server calls", ", ".join(f"{k} {v:g}" for k, v in oc["server_calls_by_command"].items())),
         ("ours server usec", ", ".join(f"{k} {v:.1f}" for k, v in list(oc["server_usec_by_command"].items())[:6])),
         ("ceiling top-level", ", ".join(f"{k} {v:g}" for k, v in cc["top_level_by_command"].items())),

@@ -10,7 +10,7 @@ calls, 100 at once so that the batcher pipelines them as it does in production:
     tell the two apart), take, load, accept, complete, and the settling that rides on a take.
 
 Around each phase it reads ``INFO commandstats`` and ``INFO cpu``. Per call it prints the
-EVALSHA time (the whole script: its Lua and the commands it runs), the commands' own time,
+FCALL time (the whole script: its Lua and the commands it runs), the commands' own time,
 and what is left, which is the Lua and the cost of each ``redis.call``; per handoff, the
 server's CPU, sockets included. ``SLOWLOG`` is not used: logging every call adds its own cost
 to each. The server should be otherwise idle: its counters are server-wide.
@@ -56,7 +56,7 @@ from handoffbus.embedded import find_server_binary
 from handoffbus.workers.inbox import Inbox
 
 #: commands that are not the scripts' own (the requester's response reader, the readings)
-_OUTSIDE = frozenset({"EVALSHA", "XREAD", "CONFIG|RESETSTAT", "SCRIPT|LOAD"})
+_OUTSIDE = frozenset({"FCALL", "XREAD", "CONFIG|RESETSTAT", "FUNCTION|LOAD"})
 WINDOW = 100
 CONSUMER = "consumer-1"
 
@@ -109,16 +109,16 @@ async def phase(
     instructions = callgrind.instructions() if callgrind is not None else None
     (calls1, usec1), cpu1 = await commandstats(stats), await server_cpu(stats)
     calls, usec = delta(calls1, calls0), delta(usec1, usec0)
-    evalsha = calls.get("EVALSHA", 0)
+    fcall = calls.get("FCALL", 0)
     inner = sum(v for k, v in usec.items() if k not in _OUTSIDE)
     return {
-        **({} if instructions is None else {"instructions_per_call": round(instructions / max(evalsha, 1)),
+        **({} if instructions is None else {"instructions_per_call": round(instructions / max(fcall, 1)),
                                             "instructions_per_handoff": round(instructions / handoffs)}),
-        "phase": name, "handoffs": handoffs, "evalsha_calls": evalsha,
-        "evalsha_us_per_call": round(usec.get("EVALSHA", 0) / max(evalsha, 1), 2),
-        "commands_us_per_call": round(inner / max(evalsha, 1), 2),
-        "commands_per_call": round(sum(v for k, v in calls.items() if k not in _OUTSIDE) / max(evalsha, 1), 2),
-        "evalsha_us_per_handoff": round(usec.get("EVALSHA", 0) / handoffs, 2),
+        "phase": name, "handoffs": handoffs, "fcall_calls": fcall,
+        "fcall_us_per_call": round(usec.get("FCALL", 0) / max(fcall, 1), 2),
+        "commands_us_per_call": round(inner / max(fcall, 1), 2),
+        "commands_per_call": round(sum(v for k, v in calls.items() if k not in _OUTSIDE) / max(fcall, 1), 2),
+        "fcall_us_per_handoff": round(usec.get("FCALL", 0) / handoffs, 2),
         "server_cpu_us_per_handoff": round((cpu1 - cpu0) / handoffs * 1e6, 1),
     }
 
@@ -194,7 +194,7 @@ async def measure(args: argparse.Namespace, callgrind: Callgrind | None) -> dict
             server_desc = await server_info(stats)
     by_name = {p["phase"]: p for p in phases}
     both, alone = by_name["request_handoff (request + enqueue)"], by_name["enqueue alone"]
-    request_only = round(both["evalsha_us_per_handoff"] - alone["evalsha_us_per_handoff"], 2)
+    request_only = round(both["fcall_us_per_handoff"] - alone["fcall_us_per_handoff"], 2)
     lifecycle = [p for p in phases if p["phase"] != "enqueue alone"]
     return {
         "config": {"url": args.url or "embedded (unix socket)", "n": n, "payload": args.payload,
@@ -204,7 +204,7 @@ async def measure(args: argparse.Namespace, callgrind: Callgrind | None) -> dict
         "request_script_us": request_only,
         "callgrind": bool(args.callgrind),
         "per_lifecycle": {
-            "evalsha_us": round(sum(p["evalsha_us_per_handoff"] for p in lifecycle), 1),
+            "fcall_us": round(sum(p["fcall_us_per_handoff"] for p in lifecycle), 1),
             "server_cpu_us": round(sum(p["server_cpu_us_per_handoff"] for p in lifecycle), 1),
         },
     }
@@ -214,17 +214,17 @@ def render(result: dict[str, Any]) -> str:
     env, cfg = result["environment"], result["config"]
     lines = [f"server   {env['server']} {env['version']}, {cfg['url']}; {env['cpus']} CPUs; n {cfg['n']}, "
              f"{cfg['context_bytes']} B contexts, {cfg['window']} calls at a time", "",
-             f"{'phase':38}{'calls':>7}{'EVALSHA us':>12}{'commands us':>13}{'(count)':>9}{'Lua+calls us':>14}"
+             f"{'phase':38}{'calls':>7}{'FCALL us':>12}{'commands us':>13}{'(count)':>9}{'Lua+calls us':>14}"
              f"{'us/handoff':>12}{'server CPU us':>15}"]
     for p in result["phases"]:
-        per_handoff = p["evalsha_calls"] / p["handoffs"]
-        lua = p["evalsha_us_per_call"] - p["commands_us_per_call"]
-        lines.append(f"{p['phase']:38}{per_handoff:>7.2f}{p['evalsha_us_per_call']:>12.2f}"
+        per_handoff = p["fcall_calls"] / p["handoffs"]
+        lua = p["fcall_us_per_call"] - p["commands_us_per_call"]
+        lines.append(f"{p['phase']:38}{per_handoff:>7.2f}{p['fcall_us_per_call']:>12.2f}"
                      f"{p['commands_us_per_call']:>13.2f}{p['commands_per_call']:>9.1f}{lua:>14.2f}"
-                     f"{p['evalsha_us_per_handoff']:>12.2f}{p['server_cpu_us_per_handoff']:>15.1f}")
+                     f"{p['fcall_us_per_handoff']:>12.2f}{p['server_cpu_us_per_handoff']:>15.1f}")
     life = result["per_lifecycle"]
     lines += ["", f"request script alone (first phase less the second): {result['request_script_us']:.2f} us",
-              f"per lifecycle (every phase but 'enqueue alone'): EVALSHA {life['evalsha_us']:.1f} us, "
+              f"per lifecycle (every phase but 'enqueue alone'): FCALL {life['fcall_us']:.1f} us, "
               f"server CPU {life['server_cpu_us']:.1f} us",
               "calls = script calls per handoff; the us columns are per call, but for us/handoff and server CPU"]
     if result["callgrind"]:

@@ -9,10 +9,10 @@ so write access to a peer's stream lets an agent wipe it. An agent therefore nev
 writes a peer's keys; handoffs between agents cross over through a trusted forwarder, whose
 user alone reaches every key of the prefix. The monitoring user only reads.
 
-No user gets FLUSHALL/FLUSHDB, CONFIG, KEYS, SCRIPT FLUSH/KILL, FUNCTION, DEBUG, ACL,
+No user gets FLUSHALL/FLUSHDB, CONFIG, KEYS, SCRIPT, FUNCTION FLUSH/DELETE/KILL, DEBUG, ACL,
 MONITOR, SHUTDOWN or any other administrative command: the users start from ``-@all``. Only
-the forwarder's loads scripts (the bus's own, which agents then run by EVALSHA): a script
-an agent wrote could loop and stall the server.
+the forwarder's loads the function library (the bus's own, which agents then run by FCALL):
+a script an agent wrote could loop and stall the server.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ __all__ = ["AGENT_COMMANDS", "AclUser", "agent_user", "forwarder_user", "monitor
 
 _CONNECTION = ("hello", "auth", "ping", "select", "info", "time", "client|setname",
                "client|getname", "client|id", "command", "readonly")
-#: EVALSHA only: an agent runs the bus's scripts, which the forwarder loads (one it loaded
+#: FCALL only: an agent runs the bus's functions, which the forwarder loads (one it loaded
 #: itself could loop and stall the server)
-_SCRIPTS = ("evalsha",)
-#: the forwarder keeps the scripts loaded, all at once, in a MULTI
-_SCRIPT_LOADING = ("script|load", "script|exists", "multi", "exec", "discard")
+_SCRIPTS = ("fcall",)
+#: the forwarder keeps the library loaded (FUNCTION LOAD is all of it at once), and writes
+#: the grants in a MULTI
+_SCRIPT_LOADING = ("function|load", "function|list", "multi", "exec", "discard")
 _STREAMS = ("xadd", "xread", "xreadgroup", "xack", "xclaim", "xautoclaim", "xpending", "xrange", "xrevrange",
             "xdel", "xlen", "xinfo|stream", "xinfo|groups", "xinfo|consumers", "xgroup|create",
             "xgroup|createconsumer", "xgroup|delconsumer")

@@ -1,13 +1,14 @@
 """Automatic pipelining: script calls made at the same time travel in one round trip.
 
-Every transition is one EVALSHA; sent one by one from many concurrent tasks, each pays a
+Every transition is one FCALL; sent one by one from many concurrent tasks, each pays a
 full round trip and redis-py's per-command overhead. Calls are queued instead, and a few
 sender tasks drain the queue into pipelines: whatever was queued while the previous
 pipeline was on the wire goes out together. A lone call still goes out at once, so idle
 latency is one round trip as before.
 
-Each call keeps its own reply or error. A call that meets NOSCRIPT (script cache flushed,
-failover, restart) has its script loaded and is sent again. When the bus closes, calls not
+Each call keeps its own reply or error. A call whose function the server does not have (a
+FUNCTION FLUSH, a restart without persistence, a new primary) has the library loaded and is
+sent again. When the bus closes, calls not
 yet answered fail with ``HandoffbusError`` instead of waiting forever.
 
 On a Redis Cluster, ``cluster.py`` sends each batch (see there).
@@ -29,8 +30,8 @@ from .wire import Group, Line, ScriptCall, Watcher, no_script, unsendable, with_
 
 __all__ = ["ScriptBatcher"]
 
-#: times a call that met NOSCRIPT is loaded and sent again before its error is returned
-NOSCRIPT_ROUNDS = 5
+#: times a call whose function was missing is loaded and sent again before its error is returned
+RELOAD_ROUNDS = 5
 
 
 class ScriptBatcher:
@@ -59,14 +60,9 @@ class ScriptBatcher:
             self._lines = lines if lines is not None else redis.connection_pool
 
     async def load(self, missing: Sequence[Script]) -> None:
-        """Load what the server lost. On one server every script at once, in a MULTI: a group
-        whose later script came back before its earlier one would run out of order (see
-        Scripts.load_all). On a cluster the missing ones, on every primary (its calls go in
-        waves anyway, see cluster.py)."""
-        if self._cluster is None:
-            await self._scripts.load_all(self._redis)
-        else:
-            await self._scripts.load_some(self._redis, missing)
+        """Load the library the server (or a primary) lost: every function at once (see
+        Scripts.load_all)."""
+        await self._scripts.load_all(self._redis)
 
     @property
     def redirects(self) -> Counter[str]:
@@ -146,8 +142,8 @@ class ScriptBatcher:
             sent = [call for i, call in enumerate(batch) if i not in errors]
             async with self._redis.pipeline(transaction=False) as pipe:
                 for call in sent:
-                    if call.script.sha:
-                        pipe.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
+                    if call.script.function:
+                        pipe.execute_command("FCALL", call.script.function, len(call.keys), *call.keys, *call.args)
                     elif call.script is GET:  # the plain commands (scripts.Command)
                         pipe.get(*call.keys)
                     else:
@@ -172,7 +168,7 @@ class ScriptBatcher:
     async def _recover(
         self, batch: list[ScriptCall], line: Line | None, first: list[Any], failure: Exception | None
     ) -> None:
-        """Finish a batch some of whose calls met NOSCRIPT or went unanswered: those are sent
+        """Finish a batch some of whose calls found their function missing or went unanswered: those are sent
         again after a reload, but not those of a group in which a later call ran already (sent
         again, they would run out of order): they fail with ScriptsFlushed, and the rest of
         their group keep their replies."""
@@ -180,9 +176,9 @@ class ScriptBatcher:
         broken: set[Group] = set()
         _answered(batch, first, answers, broken)
         sending = batch
-        rounds = NOSCRIPT_ROUNDS if failure is None else 0  # a connection that failed: nothing is sent again
+        rounds = RELOAD_ROUNDS if failure is None else 0  # a connection that failed: nothing is sent again
         try:
-            for _ in range(rounds):  # the cache may be flushed again between load and retry
+            for _ in range(rounds):  # the library may be flushed again between load and retry
                 lost = [c for c in sending if no_script(answers.get(id(c)))]
                 if not lost:
                     break
@@ -198,7 +194,7 @@ class ScriptBatcher:
             reply = answers.get(id(call), _UNANSWERED)
             if no_script(reply) and call.group in broken:
                 call.finish(error=ScriptsFlushed(
-                    "the server lost its scripts while these calls were on their way, and a later one ran "
+                    "the server lost its functions while these calls were on their way, and a later one ran "
                     "before this one could; not sent again, it may be tried again"))
             elif failure is not None and (reply is _UNANSWERED or no_script(reply)):
                 call.finish(error=failure)
@@ -227,9 +223,9 @@ def _answered(calls: list[ScriptCall], replies: list[Any], answers: dict[int, An
 
 
 def _out_of_order(calls: list[ScriptCall], replies: list[Any]) -> set[Group]:
-    """The groups in which a call ran after an earlier one met NOSCRIPT. The server read their
-    pipeline in parts, and something loaded the scripts between them (another client that met
-    NOSCRIPT too): sending the earlier call again would run it after the later one, e.g. a
+    """The groups in which a call ran after an earlier one found its function missing. The
+    server read their pipeline in parts, and something loaded the library between them
+    (another client that missed it too): sending the earlier call again would run it after the later one, e.g. a
     record after its queue entry, which a worker may have taken and dropped meanwhile."""
     missed: set[Group] = set()
     broken: set[Group] = set()

@@ -42,8 +42,8 @@ __all__ = ["HandoffBus"]
 
 log = logging.getLogger("handoffbus")
 MIN_SERVER_VERSION = (7, 0)
-#: how long an isolated agent's calls that met NOSCRIPT wait before they are sent again
-#: (five times, see batching.py; the forwarder loads missing scripts every `discover` seconds)
+#: how long an isolated agent's calls that found their function missing wait before they are
+#: sent again (five times, see batching.py; the forwarder loads the library every `discover` seconds)
 SCRIPT_WAIT = 1.0
 
 
@@ -229,10 +229,10 @@ class HandoffBus:
             reader.close()  # awaits under way wake now, to find the bus closed
 
     async def _wait_for_scripts(self, missing: Sequence[Script]) -> None:
-        """An isolated agent's calls that met NOSCRIPT wait for the forwarder to load the
-        scripts again (it checks every few seconds): the agent's user may not load any, or it
-        could load one that loops and stalls the server."""
-        log.info("%d script(s) not loaded; waiting %.1f s for the forwarder to load them", len(missing), SCRIPT_WAIT)
+        """An isolated agent's calls that found their function missing wait for the forwarder to
+        load the library again (it checks every few seconds): the agent's user may not load
+        any, or it could load one that loops and stalls the server."""
+        log.info("%d function(s) not loaded; waiting %.1f s for the forwarder to load them", len(missing), SCRIPT_WAIT)
         await anyio.sleep(SCRIPT_WAIT)
 
     @property
@@ -489,7 +489,7 @@ class HandoffBus:
         self, calls: list[tuple[str, list[str], list[Any]]], plain: Callable[[], Awaitable[list[Any]]]
     ) -> list[Any]:
         """The replies of read scripts (the first error raised), or, once the server refused this
-        user EVALSHA itself, what ``plain`` reads with plain commands (plainreads.py): from then
+        user FCALL itself, what ``plain`` reads with plain commands (plainreads.py): from then
         on this bus reads plainly, and tries the scripts again every ``scripts_recheck``. A key
         it may not reach is refused to plain reads as well, and an isolated agent's reads of its
         peers go through the forwarder: never plain."""

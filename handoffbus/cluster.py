@@ -52,7 +52,7 @@ from .wire import REPLY_WAIT, ScriptCall, exchange, no_script
 __all__ = ["ClusterSender", "is_cluster"]
 
 log = logging.getLogger("handoffbus")
-#: rounds of MOVED/ASK/NOSCRIPT replies a cluster call follows before its error is returned
+#: rounds of MOVED/ASK/"Function not found" replies a cluster call follows before its error is returned
 REDIRECT_ROUNDS = 16
 #: seconds a cluster call answered TRYAGAIN (its slot is migrating) is sent again before its
 #: error is returned: a reshard moves a slot's keys in far less, an aborted one never ends
@@ -188,7 +188,7 @@ class ClusterSender:
 
     async def send(self, batch: list[ScriptCall]) -> None:
         """Send a batch to a cluster: one pipeline per node, all nodes at once, wave after wave
-        (see ``Run``), following MOVED, ASK and NOSCRIPT at once. Calls answered TRYAGAIN (their
+        (see ``Run``), following MOVED, ASK and a missing function at once. Calls answered TRYAGAIN (their
         slot is being migrated) are parked with their groups' later waves, so that this sender
         takes the next batch meanwhile."""
         runs = runs_of(batch)
@@ -263,7 +263,7 @@ class ClusterSender:
 
     async def _round(self, calls: list[ScriptCall]) -> tuple[list[ScriptCall], list[ScriptCall]]:
         """Send each call to its node once. Finishes the calls answered for good; returns those
-        to send again now (MOVED, ASK, NOSCRIPT) and those to send again later (TRYAGAIN)."""
+        to send again now (MOVED, ASK, a missing function) and those to send again later (TRYAGAIN)."""
         manager = self._redis.nodes_manager
         by_node: dict[str, tuple[Any, list[ScriptCall]]] = {}
         for call in calls:

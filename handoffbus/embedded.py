@@ -35,8 +35,11 @@ __all__ = ["EmbeddedCluster", "EmbeddedServer", "find_server_binary"]
 CLUSTER_SLOTS = 16384
 
 
-#: the server setting deploy/README.md advises, which the embedded server runs with
+#: the server settings deploy/README.md advises, which the embedded server runs with
 HASH_MAX_LISTPACK_VALUE = 512
+#: the stock redis.conf's value; a server started without a config file has 512, and an agent's
+#: in-flight index (a hash) is then searched field by field up to 512 handoffs in flight
+HASH_MAX_LISTPACK_ENTRIES = 128
 
 
 def _version(binary: str) -> tuple[int, ...]:
@@ -117,6 +120,7 @@ class EmbeddedServer:
             # as deploy/README.md advises: a record whose history, result or signature passes the
             # default 64 bytes would otherwise turn from a listpack into a hashtable (2.3x the memory)
             "--hash-max-listpack-value", str(HASH_MAX_LISTPACK_VALUE),
+            "--hash-max-listpack-entries", str(HASH_MAX_LISTPACK_ENTRIES),
             "--logfile", str(self.directory / "server.log"), *self.extra_args,
         ]
         try:

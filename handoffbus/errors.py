@@ -160,7 +160,7 @@ class ForwarderUnavailable(HandoffbusError, ConnectionError):
 
 
 class ScriptsFlushed(HandoffbusError, ConnectionError):
-    """The server lost its scripts (a SCRIPT FLUSH, a failover) while the calls of one step were
+    """The server lost its functions (a FUNCTION FLUSH, a restart) while the calls of one step were
     on their way, and a later call ran before an earlier one could: none is sent again, which
     would run them out of order. Nothing the step meant to create exists (what a later call
     wrote alone, such as a queue entry with no record, is dropped where it is found); it may

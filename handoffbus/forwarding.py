@@ -192,9 +192,9 @@ class Forwarder:
                     await tg.start(self._serve, agent)
                 try:
                     if await bus.scripts.ensure_loaded(bus.redis):  # the agents may not load them
-                        log.warning("forwarder: the server had lost scripts; loaded them again")
+                        log.warning("forwarder: the server had lost the function library; loaded it again")
                 except (RedisError, OSError) as exc:
-                    log.warning("forwarder: checking the script cache failed (%s)", exc)
+                    log.warning("forwarder: checking the function library failed (%s)", exc)
                 if not started:
                     task_status.started()
                     started = True

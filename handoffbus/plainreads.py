@@ -30,9 +30,9 @@ LOAD_FIELDS = ("status", "env", "agent", "attempt", "created", "deadline", "id",
 
 
 def refuses_scripts(reply: object) -> bool:
-    """Whether a reply is the server's NOPERM for EVALSHA itself (not for a key: a key this
+    """Whether a reply is the server's NOPERM for FCALL itself (not for a key: a key this
     user may not reach is refused to plain reads as well)."""
-    return isinstance(reply, NoPermissionError) and "'evalsha'" in str(reply).lower()
+    return isinstance(reply, NoPermissionError) and "'fcall'" in str(reply).lower()
 
 
 async def server_time_ms(redis: Any) -> int:

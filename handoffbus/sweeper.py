@@ -180,7 +180,7 @@ class Sweeper:
     async def release_lease(self) -> None:
         bus = self._bus
         # straight to Redis: the script batcher may already be closed
-        await bus.redis.evalsha(bus.scripts.lease.sha, 1, bus.keys.sweep_lease, self._token, 0)
+        await bus.redis.fcall(bus.scripts.lease.function, 1, bus.keys.sweep_lease, self._token, 0)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self._stopped = anyio.Event()

@@ -1,9 +1,9 @@
-"""Script calls on the wire: a queued EVALSHA call and its group, RESP packing, and one
-exchange of many calls on one connection.
+"""Script calls on the wire: a queued FCALL and its group, RESP packing, and one exchange of
+many calls on one connection.
 
 redis-py's general command packer and per-reply wrapper cost several times more than the
 work they wrap, so the batcher (``batching.py``) and the cluster sender (``cluster.py``)
-pack EVALSHA themselves and read replies straight from the parser.
+pack FCALL themselves and read replies straight from the parser.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from typing import Any
 import anyio
 from hiredis import pack_command
 from redis.crc import key_slot
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import EncodeError
 from .scripts import Script
 
-__all__ = ["Group", "Line", "ScriptCall", "exchange", "guard_key", "no_script", "pack_call", "pack_evalsha",
+__all__ = ["Group", "Line", "ScriptCall", "exchange", "guard_key", "no_script", "pack_call", "pack_fcall",
            "unsendable", "with_unsendable"]
 
 _ASKING = b"*1\r\n$6\r\nASKING\r\n"
@@ -39,15 +39,15 @@ def guard_key(key: str) -> str | None:
     return guard if key_slot(guard.encode()) == key_slot(key.encode()) else None
 
 
-def pack_evalsha(call: ScriptCall, guard: bool = False) -> bytes:
-    """RESP for EVALSHA, by hiredis's packer (in C): redis-py's general packer costs several times
+def pack_fcall(call: ScriptCall, guard: bool = False) -> bytes:
+    """RESP for FCALL, by hiredis's packer (in C): redis-py's general packer costs several times
     more per command. Arguments are str, bytes, int or float (TypeError otherwise)."""
     keys = call.keys
     if guard and keys:
         extra = guard_key(keys[0])
         if extra is not None:
             keys = [*keys, extra]  # the scripts read KEYS by position: one more is never looked at
-    packed: bytes = pack_command(("EVALSHA", call.script.sha, len(keys), *keys, *call.args))
+    packed: bytes = pack_command(("FCALL", call.script.function, len(keys), *keys, *call.args))
     return packed
 
 
@@ -108,14 +108,16 @@ class ScriptCall:
 
 
 def no_script(reply: Any) -> bool:
-    return isinstance(reply, NoScriptError)
+    """Whether a reply says the server does not have the function called (the library is not
+    loaded there): Redis and Valkey answer "ERR Function not found"."""
+    return isinstance(reply, ResponseError) and str(reply).startswith("Function not found")
 
 
 def pack_call(call: ScriptCall, guard: bool = False) -> bytes:
-    """RESP for one batched call: EVALSHA, or a plain command (``scripts.Command``, no SHA) as
-    itself, which needs no guard key (its key is its slot's own)."""
-    if call.script.sha:
-        return pack_evalsha(call, guard)
+    """RESP for one batched call: FCALL, or a plain command (``scripts.Command``, no function)
+    as itself, which needs no guard key (its key is its slot's own)."""
+    if call.script.function:
+        return pack_fcall(call, guard)
     plain: bytes = pack_command((call.script.name, *call.keys, *call.args))
     return plain
 

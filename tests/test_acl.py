@@ -25,7 +25,8 @@ pytestmark = pytest.mark.anyio
 
 FORBIDDEN = [
     ("FLUSHALL",), ("FLUSHDB",), ("CONFIG", "GET", "*"), ("CONFIG", "SET", "maxmemory", "1"), ("KEYS", "*"),
-    ("SCRIPT", "FLUSH"), ("SCRIPT", "KILL"), ("FUNCTION", "FLUSH"), ("FUNCTION", "LIST"), ("ACL", "LIST"),
+    ("SCRIPT", "FLUSH"), ("SCRIPT", "KILL"), ("FUNCTION", "FLUSH"), ("FUNCTION", "LIST"), ("FUNCTION", "DELETE", "x"),
+    ("FUNCTION", "KILL"), ("EVALSHA", "0" * 40, "0"), ("ACL", "LIST"),
     ("ACL", "SETUSER", "x"), ("SWAPDB", "0", "1"), ("EVAL", "return 1", "0"), ("SCAN", "0"),
 ]
 #: checked with ACL DRYRUN only: run for real they would stop or block the server, or are
@@ -74,10 +75,16 @@ async def test_an_agent_reaches_only_its_own_keys(real_backend: str, servers: di
         assert len((await alpha.xreadgroup("workers", "c1", {f"{own}:inbox": ">"}))[0][1]) == 1
         await alpha.hset(f"{own}:h:r1", "status", "PENDING")
         await alpha.zadd(f"{own}:queue", {"x": 1})
-        # scripts the forwarder loaded (an agent may load none: one that loops would stall the server)
+        # functions the forwarder loaded (an agent may load none: one that loops would stall the server)
+        await assert_noperm(alpha, "FUNCTION", "LOAD", f"#!lua name={prefix}_own\n"
+                            f"redis.register_function('{prefix}_own', function() return 1 end)")
         await assert_noperm(alpha, "SCRIPT", "LOAD", "return 1")
-        hget = await admin.script_load("return redis.call('HGET', KEYS[1], 'status')")
-        assert await alpha.evalsha(hget, 1, f"{own}:h:r1") == b"PENDING"
+        hget, delete = f"{prefix}_hget", f"{prefix}_del"
+        await admin.function_load(
+            f"#!lua name={prefix}_acl\n"
+            f"redis.register_function('{hget}', function(keys) return redis.call('HGET', keys[1], 'status') end)\n"
+            f"redis.register_function('{delete}', function(keys, args) return redis.call('DEL', args[1]) end)\n")
+        assert await alpha.fcall(hget, 1, f"{own}:h:r1") == b"PENDING"
         await beta.xgroup_create(f"{peer}:inbox", "workers", id="$", mkstream=True)
         await beta.xadd(f"{peer}:inbox", {"h": "y"})
         # a peer's keys: no read (XREADGROUP would steal its handoffs), no write (MAXLEN 0 would wipe them)
@@ -85,12 +92,11 @@ async def test_an_agent_reaches_only_its_own_keys(real_backend: str, servers: di
                         ("XRANGE", f"{peer}:inbox", "-", "+"), ("XADD", f"{peer}:inbox", "MAXLEN", "0", "*", "h", "z"),
                         ("XACK", f"{peer}:inbox", "workers", "0-1"), ("HGETALL", f"{peer}:h:r1"),
                         ("ZADD", f"{peer}:queue", "1", "x"), ("DEL", f"{peer}:inbox"),
-                        ("EVALSHA", hget, "1", f"{peer}:h:r1")]:
+                        ("FCALL", hget, "1", f"{peer}:h:r1")]:
             await assert_noperm(alpha, *command)
-        # nor through a script that names the key only in its arguments
-        delete = await admin.script_load("return redis.call('DEL', ARGV[1])")
+        # nor through a function that names the key only in its arguments
         with pytest.raises(ResponseError, match=r"(?i)noperm|permission|acl|can.t access"):
-            await alpha.evalsha(delete, 0, f"{peer}:inbox")
+            await alpha.fcall(delete, 0, f"{peer}:inbox")
         for command in FORBIDDEN:
             await assert_noperm(alpha, *command)
         for command in NOT_RUN:

@@ -139,9 +139,9 @@ async def test_a_forwarder_serves_more_agents_than_its_pool_has_connections(real
         worker.drain()
 
 
-async def test_isolated_agents_carry_on_after_the_script_cache_is_flushed(real_backend: str, servers: dict) -> None:
-    """An agent's user may not load scripts (one that loops would stall the server): after the
-    server loses them, its calls wait for the forwarder to load them again, and carry on."""
+async def test_isolated_agents_carry_on_after_the_library_is_flushed(real_backend: str, servers: dict) -> None:
+    """An agent's user may not load functions (one that loops would stall the server): after the
+    server loses the library, its calls wait for the forwarder to load it again, and carry on."""
     admin = aioredis.Redis.from_url(servers[real_backend].url)
     async with contextlib.aclosing(admin), isolated(real_backend, servers) as setup, \
             anyio.create_task_group() as tg:
@@ -150,7 +150,7 @@ async def test_isolated_agents_carry_on_after_the_script_cache_is_flushed(real_b
         client = setup.buses["req"].client("req")
         with anyio.fail_after(30):
             first = await (await client.request_handoff(req("req", "echo-1"))).outcome()
-            await admin.script_flush()
+            await admin.function_flush()
             second = await (await client.request_handoff(req("req", "echo-1"))).outcome()
         worker.drain()
     assert first.status is second.status is HandoffStatus.COMPLETED

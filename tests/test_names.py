@@ -12,7 +12,6 @@ shows a valid name does get that far.
 from __future__ import annotations
 
 import ast
-import hashlib
 import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -327,10 +326,10 @@ def scan(text: str, filename: str) -> tuple[list[str], list[str]]:
                     value = node.value
                     from_files = (
                         filename.endswith("scripts.py") and isinstance(value, ast.Call)
-                        and isinstance(value.func, ast.Name) and value.func.id == "script_source"
+                        and isinstance(value.func, ast.Name) and value.func.id in {"script_source", "library_source"}
                     )
                     if not from_files:
-                        flag(node, "a .source set from something other than script_source()")
+                        flag(node, "a .source set from something other than script_source() or library_source()")
     return violations, senders
 
 
@@ -357,15 +356,16 @@ def test_the_scan_catches_runtime_built_scripts(snippet: str) -> None:
 
 def test_the_scan_allows_what_the_package_does() -> None:
     allowed = """
-pipe.script_load(script.source)
-await redis.evalsha(bus.scripts.lease.sha, 1, key)
-pipe.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys)
-parts = [b"*%d\\r\\n$7\\r\\nEVALSHA\\r\\n" % n]
-_SCRIPTS = ("evalsha", "eval", "script|load")  # ACL command names: not calls
+await redis.function_load(self.source, replace=True)
+await redis.fcall(bus.scripts.lease.function, 1, key)
+pipe.execute_command("FCALL", call.script.function, len(call.keys), *call.keys)
+parts = [b"*%d\\r\\n$5\\r\\nFCALL\\r\\n" % n]
+_SCRIPTS = ("fcall", "eval", "function|load")  # ACL command names: not calls
 """
     assert scan(allowed, "handoffbus/x.py")[0] == []
-    assert scan("self.source = script_source(name)", "handoffbus/scripts.py")[0] == []
-    assert scan("self.source = script_source(name)", "handoffbus/other.py")[0] != []
+    for setter in ("self.source = script_source(name)", "self.source = library_source()"):
+        assert scan(setter, "handoffbus/scripts.py")[0] == []
+        assert scan(setter, "handoffbus/other.py")[0] != []
 
 
 def test_no_script_is_built_from_runtime_data() -> None:
@@ -377,8 +377,8 @@ def test_no_script_is_built_from_runtime_data() -> None:
         senders += sent
     assert violations == []
     # the scan saw where scripts are loaded (it is looking at the right code), and that is scripts.py alone
-    loads = [s for s in senders if s.endswith("script_load")]
-    assert len(loads) >= 2 and all("scripts.py" in s for s in loads), senders
+    loads = [s for s in senders if s.endswith("function_load")]
+    assert len(loads) >= 1 and all("scripts.py" in s for s in loads), senders
 
 
 def _from_disk(name: str) -> str:
@@ -393,39 +393,42 @@ def test_every_script_is_a_file_under_lua() -> None:
     assert {path.name.rsplit("-", 1)[0] for path in LUA.glob("*.lua")} == set(SCRIPT_NAMES)
     for script in scripts:
         assert script.source == _from_disk(script.name)
-        assert script.sha == hashlib.sha1(script.source.encode()).hexdigest()
         assert re.search(r"^-- @include", script.source, re.MULTILINE) is None
-
-
-class _RecordingPipeline:
-    def __init__(self, sent: list[str]) -> None:
-        self.sent = sent
-
-    async def __aenter__(self) -> _RecordingPipeline:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        return None
-
-    def script_load(self, source: str) -> None:
-        self.sent.append(source)
-
-    async def execute(self) -> list[Any]:
-        return []
+    # the library: each include once, then each script's own text as the body of its function
+    library = scripts.source
+    assert library.startswith(f"#!lua name={scripts.library}\n") and re.fullmatch(r"\w+", scripts.library)
+    for include in (LUA / "includes").glob("*.lua"):
+        assert library.count(include.read_text("utf-8")) == 1, include.name
+    for script in scripts:
+        [path] = LUA.glob(f"{script.name}-*.lua")
+        body = re.sub(r"^-- @include \w+$", "", path.read_text("utf-8"), flags=re.MULTILINE)
+        assert f"redis.register_function('{script.function}', function(keys, args)\nKEYS, ARGV = keys, args\n{body}" \
+            in library
+        assert script.function.startswith("hb_") and script.function.endswith(f"_{script.name}")
 
 
 class _RecordingRedis:
     def __init__(self) -> None:
         self.sent: list[str] = []
 
-    def pipeline(self, transaction: bool = True) -> _RecordingPipeline:
-        return _RecordingPipeline(self.sent)
+    async def function_load(self, code: str, replace: bool = False) -> None:
+        self.sent.append(code)
 
 
 async def test_only_the_files_are_loaded() -> None:
+    """The library is the files and the few lines that join them, nothing else."""
     redis = _RecordingRedis()
-    await Scripts().load_all(redis)
-    assert sorted(redis.sent) == sorted(_from_disk(name) for name in SCRIPT_NAMES)
+    scripts = Scripts()
+    await scripts.load_all(redis)
+    [rest] = redis.sent
+    for include in (LUA / "includes").glob("*.lua"):
+        rest = rest.replace(include.read_text("utf-8"), "", 1)
+    for script in scripts:
+        [path] = LUA.glob(f"{script.name}-*.lua")
+        body = re.sub(r"^-- @include \w+$", "", path.read_text("utf-8"), flags=re.MULTILINE)
+        rest = rest.replace(f"redis.register_function('{script.function}', function(keys, args)\n"
+                            f"KEYS, ARGV = keys, args\n{body}\nend)", "", 1)
+    assert rest.split() == ["#!lua", f"name={scripts.library}", "local", "KEYS,", "ARGV"]
 
 
 @pytest.mark.parametrize("settings", [

@@ -1,4 +1,4 @@
-"""The Lua contract: headers, one hash slot per call, and survival of a flushed script cache."""
+"""The Lua contract: headers, one hash slot per call, one library, and survival of a flushed library."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from redis._parsers.encoders import Encoder
 from redis.connection import PythonRespSerializer
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
+from redis.exceptions import ResponseError
 
 from handoffbus import EncodeError, HandoffBus, HandoffHandle, HandoffStatus, ScriptsFlushed, wire
 from handoffbus.scripts import SCRIPT_NAMES, Scripts, _files, key_count, script_source
-from handoffbus.wire import Group, Line, ScriptCall, _round_trip, pack_evalsha
+from handoffbus.wire import Group, Line, ScriptCall, _round_trip, pack_fcall
 from handoffbus.workers.inbox import Inbox
 
 from .conftest import SERVER_BINARIES, Servers, make_bus
@@ -46,19 +46,19 @@ def test_every_script_file_is_registered() -> None:
 
 @given(keys=st.lists(st.text(min_size=1), max_size=5),
        args=st.lists(st.text() | st.binary() | st.integers(-(2**70), 2**70), max_size=12))
-def test_an_evalsha_call_is_packed_as_redis_py_packs_it(keys: list[str], args: list[Any]) -> None:
+def test_an_fcall_is_packed_as_redis_py_packs_it(keys: list[str], args: list[Any]) -> None:
     """Text of any script (non-ASCII included), bytes and big integers, framed byte for byte as
     redis-py's own RESP serializer frames them."""
     script = Scripts().accept
     reference = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
-    expected = b"".join(reference.pack("EVALSHA", script.sha, len(keys), *keys, *args))
-    assert pack_evalsha(ScriptCall(script, keys, args, Group(1))) == expected
+    expected = b"".join(reference.pack("FCALL", script.function, len(keys), *keys, *args))
+    assert pack_fcall(ScriptCall(script, keys, args, Group(1))) == expected
 
 
 @pytest.mark.parametrize("bad", [None, True, bytearray(b"x"), {"a": 1}])
 def test_an_argument_redis_cannot_carry_is_refused(bad: Any) -> None:
     with pytest.raises(TypeError):
-        pack_evalsha(ScriptCall(Scripts().accept, ["k"], ["a", bad], Group(1)))
+        pack_fcall(ScriptCall(Scripts().accept, ["k"], ["a", bad], Group(1)))
 
 
 async def test_calls_that_cannot_be_packed_answer_alone_even_when_the_connection_fails(
@@ -79,7 +79,7 @@ async def test_calls_that_cannot_be_packed_answer_alone_even_when_the_connection
     with pytest.raises(RedisConnectionError) as failed:
         await wire.exchange(object(), [bad, good1, good2])
     [data] = sent
-    assert data == pack_evalsha(good1) + pack_evalsha(good2)  # the bad one never reached the wire
+    assert data == pack_fcall(good1) + pack_fcall(good2)  # the bad one never reached the wire
     first, second = failed.value.replies_read  # type: ignore[attr-defined]
     assert isinstance(first, EncodeError) and second == "one"
 
@@ -117,13 +117,13 @@ async def test_every_call_stays_in_one_hash_slot(bus: HandoffBus) -> None:
         assert len(slots) == 1, (name, keys)
 
 
-async def test_a_flushed_script_cache_costs_no_failed_call(real_bus: HandoffBus) -> None:
+async def test_a_flushed_library_costs_no_failed_call(real_bus: HandoffBus) -> None:
     a, b = real_bus.client("a"), real_bus.client("b")
     for _ in range(3):
         handle = await a.request_handoff(req("a", "b"))
-        await real_bus.redis.script_flush()
+        await real_bus.redis.function_flush()
         await b.accept_handoff(handle.handoff_id)
-        await real_bus.redis.script_flush()
+        await real_bus.redis.function_flush()
         await b.complete_handoff(handle.handoff_id, result="ok")
         with anyio.fail_after(5):
             assert (await handle.outcome()).result == "ok"
@@ -152,9 +152,9 @@ def _connection_fails_midway(
 
 
 def _first_script_lost(monkeypatch: pytest.MonkeyPatch, bus: HandoffBus, names: list[str]) -> list[str]:
-    """The first batch of calls to ``names``: its first call meets NOSCRIPT and the others run,
-    as when the server read the pipeline in two parts and another client loaded the scripts
-    it had lost between them. Returns a list that records that it happened."""
+    """The first batch of calls to ``names``: its first call finds its function missing and the
+    others run, as when the server read the pipeline in two parts and another client loaded
+    the library it had lost between them. Returns a list that records that it happened."""
     batcher = bus._batcher
     assert batcher is not None
     execute, hit = batcher._execute, list[str]()
@@ -162,7 +162,7 @@ def _first_script_lost(monkeypatch: pytest.MonkeyPatch, bus: HandoffBus, names: 
     async def split(batch: list[ScriptCall], line: Line | None) -> list[Any]:
         if [call.script.name for call in batch] == names and not hit:
             hit.append(names[0])
-            return [NoScriptError("NOSCRIPT No matching script."), *await execute(batch[1:], line)]
+            return [ResponseError("Function not found"), *await execute(batch[1:], line)]
         return await execute(batch, line)
 
     monkeypatch.setattr(batcher, "_execute", split)
@@ -172,7 +172,7 @@ def _first_script_lost(monkeypatch: pytest.MonkeyPatch, bus: HandoffBus, names: 
 async def test_a_record_whose_script_was_lost_after_its_queue_entry_ran_is_not_sent_again(
     real_bus: HandoffBus, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The queue entry ran, the record met NOSCRIPT. Sent again, the record would come after
+    """The queue entry ran, the record's function was missing. Sent again, the record would come after
     its queue entry, which a worker may have taken and dropped meanwhile for having no record:
     a handoff never delivered. The request fails instead, and nothing of it is left to run."""
     client = real_bus.client("a")
@@ -190,7 +190,7 @@ async def test_a_record_whose_script_was_lost_after_its_queue_entry_ran_is_not_s
 async def test_calls_that_ran_beside_one_whose_script_was_lost_keep_their_replies(
     real_bus: HandoffBus, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """In such a step only the call that met NOSCRIPT fails; a call that ran keeps its reply:
+    """In such a step only the call whose function was missing fails; a call that ran keeps its reply:
     it changed state (a sweep's expiries, a counter), and failing it would hide that."""
     stats = real_bus.keys.stats("a")
     lost = _first_script_lost(monkeypatch, real_bus, ["status", "count"])
@@ -285,12 +285,15 @@ async def test_settling_takes_any_number_of_handoffs_in_one_call(bus: HandoffBus
     assert await bus.settle("b", hids) == 0  # nothing left to settle
 
 
-async def test_one_call_that_misses_the_script_cache_reloads_every_script(real_bus: HandoffBus) -> None:
-    # all at once: were the scripts loaded one by one as calls missed them, a record and its
-    # queue entry sent together could run queue first (its script back already, not the record's)
-    await real_bus.redis.script_flush()
+async def test_one_call_that_misses_its_function_reloads_the_whole_library(real_bus: HandoffBus) -> None:
+    # all at once: were functions loaded one by one as calls missed them, a record and its
+    # queue entry sent together could run queue first (its function back already, not the record's)
+    await real_bus.redis.function_flush()
     await real_bus.client("a").get_handoff_status("a/nothing")  # one script call
-    assert all(await real_bus.redis.script_exists(*[script.sha for script in real_bus.scripts]))
+    found = await real_bus.redis.function_list(library=real_bus.scripts.library)
+    for [library] in found.values() if isinstance(found, dict) else [found]:  # a cluster: every primary's
+        functions = {f[b"name"].decode() for f in (dict(zip(i[::2], i[1::2], strict=True)) for i in library[5])}
+        assert functions == {script.function for script in real_bus.scripts}
 
 
 async def test_the_doorbell_rings_when_work_lands_in_an_empty_queue(bus: HandoffBus) -> None:

@@ -185,7 +185,7 @@ async def test_a_pool_of_one_or_two_connections_serves_a_whole_bus(server: str, 
                     tg.start_soon(one)
             other = await a.request_handoff(req("a", "nobody"))  # a new target: an SADD on the pool
             outcomes = [await handle.outcome() for handle in handles]
-            await bus.redis.script_flush()  # a reload takes a pool connection while a sender holds its own
+            await bus.redis.function_flush()  # a reload takes a pool connection while a sender holds its own
             outcomes.append(await (await a.request_handoff(req("a", Echo.agent_id))).outcome())
     assert [o.status for o in outcomes] == [HandoffStatus.COMPLETED] * 22
     assert other.handoff_id.startswith("a/")

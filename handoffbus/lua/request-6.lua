@@ -71,14 +71,15 @@ else
 end
 local now = now_ms()
 local deadline = now + timeout_ms
+local nows, deadlines = fmt(now), fmt(deadline)  -- each formatted once
 local last = last_response_id(KEYS[4])
 redis.call('HSET', KEYS[1],
   'id', hid, 'from', from, 'to', to, 'status', 'PENDING', 'actor', from,
-  'created', fmt(now), 'updated', fmt(now), 'deadline', fmt(deadline), 'fp', fingerprint,
-  'hist', '[["PENDING","' .. from .. '",' .. fmt(now) .. ']]')
+  'created', nows, 'updated', nows, 'deadline', deadlines, 'fp', fingerprint,
+  'hist', '[["PENDING","' .. from .. '",' .. nows .. ']]')
 if size then redis.call('HSET', KEYS[1], 'esz', size) end
 if ARGV[14] and ARGV[14] ~= '' then redis.call('HSET', KEYS[1], 'rsig', ARGV[14]) end
-redis.call('SET', KEYS[2], '1', 'PXAT', fmt(deadline))
+redis.call('SET', KEYS[2], '1', 'PXAT', deadlines)
 redis.call('ZADD', KEYS[3], deadline, request_id)
 if to == '' then
   -- capability routing: the route chain, refusals and deferrals live on the record
@@ -86,4 +87,4 @@ if to == '' then
     'refused', ',', 'deferred', ',')
   redis.call('ZADD', KEYS[3], now + tonumber(ARGV[12]), 'o:' .. request_id)
 end
-return {1, 'PENDING', fmt(now), fmt(deadline), last}
+return {1, 'PENDING', nows, deadlines, last}
