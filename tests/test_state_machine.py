@@ -58,6 +58,7 @@ from handoffbus.models import DECISIONS, TERMINAL, HandoffRecord, HandoffRequest
 from handoffbus.records import record_from_hash
 
 from .conftest import SERVER_BINARIES, Servers, start_server
+from .helpers import req
 
 S = HandoffStatus
 AGENTS = ("a1", "a2", "a3")
@@ -515,3 +516,45 @@ async def test_response_metadata_belongs_to_its_transition(valkey_url: str) -> N
             assert completed.metadata == {}
         finally:
             await bus.clear(confirm=bus.config.prefix)
+
+
+@pytest.mark.anyio
+async def test_a_transition_clears_the_last_ones_fields_whoever_wrote_them(real_bus: HandoffBus) -> None:
+    """A transition that wrote no response fields lets the next skip clearing them (``rf``);
+    fields written any other way (here, as a version before ``rf`` wrote them: by hand, with
+    the status changed and ``rf`` left alone) are still cleared, never carried into the next
+    transition's record."""
+    a, b = real_bus.client("a"), real_bus.client("b")
+    keys = real_bus.keys
+
+    async def record(handoff_id: str) -> dict[bytes, bytes]:
+        requester, request_id = handoff_id.split("/", 1)
+        fields: dict[bytes, bytes] = await real_bus.redis.hgetall(keys.record(requester, request_id).record)
+        return fields
+
+    plain = await a.request_handoff(req("a", "b"))
+    assert (await record(plain.handoff_id))[b"rf"] == b"PENDING"
+    await b.accept_handoff(plain.handoff_id)
+    assert (await record(plain.handoff_id))[b"rf"] == b"ACCEPTED"  # nothing for complete to clear
+    done = await b.complete_handoff(plain.handoff_id, result="ok", metadata={"by": "b"})
+    assert done.metadata == {"by": "b"} and (await record(plain.handoff_id))[b"rf"] == b""
+
+    with_meta = await a.request_handoff(req("a", "b"))
+    await b.accept_handoff(with_meta.handoff_id, metadata={"step": "accept"})
+    assert (await record(with_meta.handoff_id))[b"rf"] == b""  # rmeta written: complete clears
+    await b.complete_handoff(with_meta.handoff_id, result=1)
+    after = await record(with_meta.handoff_id)
+    assert b"rmeta" not in after and after[b"ameta"]
+    assert (await a.get_handoff_status(with_meta.handoff_id)).response.metadata == {}
+
+    by_hand = await a.request_handoff(req("a", "b"))
+    await b.accept_handoff(by_hand.handoff_id)
+    requester, request_id = by_hand.handoff_id.split("/", 1)
+    await real_bus.redis.hset(keys.record(requester, request_id).record,
+                              mapping={"reason": "stale", "rmeta": real_bus.codec.dumps_value({"stale": 1}),
+                                       "status": "ACCEPTED", "rf": "PENDING"})
+    await b.complete_handoff(by_hand.handoff_id, result=2)
+    after = await record(by_hand.handoff_id)
+    assert b"reason" not in after and b"rmeta" not in after
+    status = await a.get_handoff_status(by_hand.handoff_id)
+    assert status.response.metadata == {} and status.response.rejection_reason is None

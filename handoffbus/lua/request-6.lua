@@ -76,7 +76,7 @@ local last = last_response_id(KEYS[4])
 redis.call('HSET', KEYS[1],
   'id', hid, 'from', from, 'to', to, 'status', 'PENDING', 'actor', from,
   'created', nows, 'updated', nows, 'deadline', deadlines, 'fp', fingerprint,
-  'hist', '[["PENDING","' .. from .. '",' .. nows .. ']]')
+  'hist', '[["PENDING","' .. from .. '",' .. nows .. ']]', 'rf', 'PENDING')
 if size then redis.call('HSET', KEYS[1], 'esz', size) end
 if ARGV[14] and ARGV[14] ~= '' then redis.call('HSET', KEYS[1], 'rsig', ARGV[14]) end
 redis.call('SET', KEYS[2], '1', 'PXAT', deadlines)

@@ -35,6 +35,11 @@ local TERMINAL = {REJECTED = true, COMPLETED = true, EXPIRED = true, CANCELLED =
 -- What a transition's caller may pass in ARGV[6..] (see run_transition).
 local WRITABLE = {reason = true, code = true, retry = true, redirect = true, result = true, error = true,
   rmeta = true, sig = true, lease = true, guard = true}
+-- The fields one transition's response carries that the next must not keep (the owner,
+-- 'agent', stays).
+local CLEARED = {'reason', 'code', 'retry', 'redirect', 'result', 'error', 'rmeta', 'sig'}
+local IS_CLEARED = {reason = true, code = true, retry = true, redirect = true, result = true, error = true,
+  rmeta = true, sig = true}
 
 -- A response as the flat reply the client reads: status, actor, ts, then RESPONSE_FIELDS
 -- (false where absent). `values` maps field name -> value.
@@ -55,14 +60,17 @@ end
   Move a record to `status`: write `extra` (field/value pairs), append the history entry
   (status, actor, Redis time), leave the pending indexes when leaving PENDING, emit the
   response, and start the retention TTL once terminal. `rec` holds what the caller read:
-  status, id, hist (a missing or malformed one starts anew) and agent (the owner, if any).
-  Names in history are validated by the client to [A-Za-z0-9_.:-]. Returns the transition's
-  ts (text) and the response's values (field name -> value), for response_reply().
+  status, id, hist (a missing or malformed one starts anew), agent (the owner, if any) and,
+  if read, rf. Names in history are validated by the client to [A-Za-z0-9_.:-]. Returns the
+  transition's ts (text) and the response's values (field name -> value), for response_reply().
 ]]
 local function transition(keys, rec, request_id, status, actor, now, extra, retention_ms, response_retention_ms)
   local key, ts = keys[1], fmt(now)
-  -- a response carries its own transition's fields only (the owner, 'agent', stays)
-  redis.call('HDEL', key, 'reason', 'code', 'retry', 'redirect', 'result', 'error', 'rmeta', 'sig')
+  -- a response carries its own transition's fields only. `rf` holds the status a transition
+  -- (or the request) left when it wrote none of them: nothing to clear then. Any other
+  -- writer of those fields, an older version's transition included, changes the status and
+  -- not rf; a record without rf is cleared.
+  if rec.rf ~= rec.status then redis.call('HDEL', key, unpack(CLEARED)) end
   -- a record without a history (written by hand, or cut short) gets one, rather than the
   -- script failing on it for good (the sweep would try it again every pass)
   local item, hist = '["' .. status .. '","' .. actor .. '",' .. ts .. ']', rec.hist or '[]'
@@ -70,11 +78,15 @@ local function transition(keys, rec, request_id, status, actor, now, extra, rete
   hist = (hist == '[]') and ('[' .. item .. ']') or (string.sub(hist, 1, -2) .. ',' .. item .. ']')
   local fields = {'status', status, 'actor', actor, 'updated', ts, 'hist', hist}
   local values = {agent = rec.agent}
+  local clean = status
   for i = 1, #extra, 2 do
     fields[#fields + 1] = extra[i]
     fields[#fields + 1] = extra[i + 1]
     values[extra[i]] = extra[i + 1]
+    if IS_CLEARED[extra[i]] then clean = '' end
   end
+  fields[#fields + 1] = 'rf'
+  fields[#fields + 1] = clean
   redis.call('HSET', key, unpack(fields))
   if rec.status == 'PENDING' then
     redis.call('DEL', keys[2])
@@ -153,7 +165,7 @@ local function run_transition(status, from, who)
     extra[#extra + 1] = name
     extra[#extra + 1] = ARGV[i + 1]
   end
-  local rec = read_record(KEYS[1], {'from', 'to', 'actor', 'lease', 'routed'})
+  local rec = read_record(KEYS[1], {'from', 'to', 'actor', 'lease', 'routed', 'rf'})
   local current = rec.status
   if not current then return {-1} end
   local to = rec.to
