@@ -11,7 +11,14 @@ from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
-from redis.exceptions import AuthenticationError, NoPermissionError, RedisClusterException, RedisError
+from redis.exceptions import (
+    AuthenticationError,
+    NoPermissionError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+)
 
 from .batching import ScriptBatcher
 from .client import HandoffClient
@@ -25,7 +32,7 @@ from .forwarding import Outbox
 from .keys import GROUP, Keys, RecordKeys
 from .models import HandoffRecord
 from .names import split_handoff_id
-from .plainreads import load_rows, refuses_scripts, server_time_ms, status_reply
+from .plainreads import load_rows, refuses_scripts, refuses_writes, server_time_ms, status_reply
 from .policies import HandoffPolicy
 from .records import Loaded, loaded_from_row, poison_row, record_from_hash
 from .registered import Registered
@@ -192,9 +199,13 @@ class HandoffBus:
                 reload = self._wait_for_scripts  # an isolated agent's user may not load scripts
             else:
                 try:
-                    await self.scripts.load_all(self.redis)
+                    # loaded only where missing: FUNCTION LOAD is a write, replicated and logged
+                    # (78 KB) even when it changes nothing, and every `handoffbus check` opens a bus
+                    await self.scripts.ensure_loaded(self.redis)
                 except NoPermissionError:  # a read-only user, like acl.py's monitor: it reads plainly
                     self._read_plainly()
+                except (ReadOnlyError, OutOfMemoryError) as exc:  # a replica, or a full server: reads go on
+                    log.warning("the function library is not loaded, and could not be (%s)", exc)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             self._batcher = ScriptBatcher(self.redis, self.scripts, reload=reload, lines=self._lines)
             await self._tg.start(self._batcher.run)
@@ -490,13 +501,17 @@ class HandoffBus:
     ) -> list[Any]:
         """The replies of read scripts (the first error raised), or, once the server refused this
         user FCALL itself, what ``plain`` reads with plain commands (plainreads.py): from then
-        on this bus reads plainly, and tries the scripts again every ``scripts_recheck``. A key
+        on this bus reads plainly, and tries the scripts again every ``scripts_recheck``. A
+        replica or a server out of memory refuses ``status``, which may write: that call reads
+        plainly. A key
         it may not reach is refused to plain reads as well, and an isolated agent's reads of its
         peers go through the forwarder: never plain."""
         if not self.plain_reads or clock() >= self._scripts_again_at:
             replies = await self.scripts_many(calls)
             if self._outbox is None and any(map(refuses_scripts, replies)):
                 self._read_plainly()
+            elif self._outbox is None and any(map(refuses_writes, replies)):
+                return await plain()  # this once: a replica, or a server out of memory
             else:
                 if self.plain_reads:
                     log.info("this bus's user may run scripts again: reading with them")

@@ -333,8 +333,10 @@ class HandoffClient:
         if code < 0:
             raise_for_code(code, handoff_id, self.agent_id, name, reply[1] if len(reply) > 1 else None,
                            reply[2] if len(reply) > 2 else None)
+        # a transition made now answers {1, to, ts, owner}; relayed by a forwarder of a version
+        # before that, it comes whole, as a repeated one does
         response = (made_response(handoff_id, SIGNED_STATUS[name], self.agent_id, reply[2], reply[3], fields, bus.codec)
-                    if code == 1 else response_from_reply(handoff_id, reply[2:], bus.codec))
+                    if code == 1 and len(reply) == 4 else response_from_reply(handoff_id, reply[2:], bus.codec))
         if bus.tally.made(handoff_id, name, code):
             bus.tally.transition(self.agent_id, response.status, created_ms, response.timestamp_ms)
         if settle:

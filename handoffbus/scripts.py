@@ -14,9 +14,12 @@ every primary. fakeredis runs the same library, so the in-memory mode shares eve
 
 Scripts are files named ``<name>-<number of keys>.lua``. A line ``-- @include <name>`` names
 a file of ``lua/includes/``: in the library each include is pasted once, at the top level, and
-each script becomes the body of a function. Names carry a digest of the whole library, so the
-versions of a rolling upgrade each call their own code. Files are joined, never generated, and
-all data travels in KEYS and ARGV.
+each script becomes the body of a function. A line ``-- @flags no-writes`` marks a script that
+only reads: a function without it counts as a write, which a replica or a server out of
+memory refuses before it runs. Names carry a digest of the whole library, so the versions of
+a rolling upgrade each call their own code (but an isolated agent calls what its forwarder
+loaded: see docs/redis-layout.md). Files are joined, never generated, and all data travels
+in KEYS and ARGV.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ SCRIPT_NAMES = (
     "blob",
 )
 _INCLUDE = re.compile(r"^-- @include (\w+)$", re.MULTILINE)
+#: a script's function flags, e.g. "-- @flags no-writes" for one that only reads: a function
+#: without it counts as a write, which a replica or a server out of memory refuses up front
+_FLAGS = re.compile(r"^-- @flags ([\w -]+)$", re.MULTILINE)
 
 
 @cache
@@ -96,6 +102,19 @@ def _body(name: str) -> tuple[list[str], str]:
     return _INCLUDE.findall(text), _INCLUDE.sub("", text)
 
 
+def script_flags(name: str) -> list[str]:
+    """The flags a script's function is registered with (its ``-- @flags`` line)."""
+    found = _FLAGS.search(_files()[name][1])
+    return found[1].split() if found else []
+
+
+def _register(digest: str, name: str) -> str:
+    """The Lua that registers script ``name``: its text as the body of a function."""
+    flags = ", ".join(f"'{flag}'" for flag in script_flags(name))
+    return (f"redis.register_function{{function_name='{function_name(digest, name)}', flags={{{flags}}}, "
+            f"callback=function(keys, args)\nKEYS, ARGV = keys, args\n{_body(name)[1]}\nend}}")
+
+
 def _include_order() -> list[str]:
     """Every include once, each after the ones any script pastes before it (offerback uses
     record's helpers, queue holder's, route offer's)."""
@@ -114,18 +133,19 @@ def _include_order() -> list[str]:
 @cache
 def _library_parts() -> tuple[str, str]:
     """(digest, library text after its first line). Every function sets the library's KEYS and
-    ARGV, which the helpers read as upvalues: a script's text runs in a function unchanged."""
+    ARGV, which the helpers read as upvalues: a script's text runs in a function unchanged. The
+    digest is of the whole text (with a placeholder where the names carry it)."""
     root = resources.files("handoffbus") / "lua" / "includes"
     parts = ["local KEYS, ARGV"]
     parts += [(root / f"{include}.lua").read_text("utf-8") for include in _include_order()]
-    body = "\n".join(parts)
-    digest = hashlib.sha1(body.encode() + "".join(_body(n)[1] for n in SCRIPT_NAMES).encode()).hexdigest()[:16]
-    functions = [
-        f"redis.register_function('{function_name(digest, name)}', function(keys, args)\n"
-        f"KEYS, ARGV = keys, args\n{_body(name)[1]}\nend)"
-        for name in SCRIPT_NAMES
-    ]
-    return digest, "\n".join([body, *functions]) + "\n"
+    parts += [_register(_UNNAMED, name) for name in SCRIPT_NAMES]
+    text = "\n".join(parts) + "\n"
+    digest = hashlib.sha1(text.encode()).hexdigest()[:16]
+    return digest, text.replace(function_name(_UNNAMED, ""), function_name(digest, ""))
+
+
+#: stands for the digest while the text it is the digest of is put together
+_UNNAMED = "0" * 16
 
 
 def function_name(digest: str, name: str) -> str:
@@ -217,11 +237,12 @@ class Scripts:
         return script
 
     async def load_all(self, redis: Any) -> None:
-        """FUNCTION LOAD the library, so the first calls of a burst do not all miss it: one
-        command, so the server never holds some functions and not others (calls sent together
-        in order, a record then its queue entry, either all run or all miss and are sent again
-        in order). REPLACE: loading the same library twice changes nothing. On a cluster
-        redis-py sends it to every primary."""
+        """FUNCTION LOAD the library, so the first calls of a burst do not all miss it. A load is
+        a write, replicated and logged whole even when it changes nothing: a bus that opens
+        calls ``ensure_loaded``. One command, so the server never holds some functions and not
+        others (calls sent together in order, a record then its queue entry, either all run or
+        all miss and are sent again in order). REPLACE: loading the same library twice changes
+        nothing. On a cluster redis-py sends it to every primary."""
         await redis.function_load(self.source, replace=True)
 
     async def ensure_loaded(self, redis: Any) -> bool:

@@ -222,3 +222,44 @@ async def test_a_worker_waits_out_a_cluster_whose_nodes_are_all_down(
                 later = await client.request_handoff(req("req", Echo.agent_id))
                 assert (await later.outcome()).status is HandoffStatus.COMPLETED
             worker.drain()
+
+
+async def test_reads_go_on_while_the_server_is_a_replica_or_out_of_memory(own_server: EmbeddedServer) -> None:
+    """Either refuses a function that may write, up front: ``load`` is flagged ``no-writes``,
+    and ``status`` (which expires a record that is due) reads plainly then. A bus still opens:
+    the library is there, and it is loaded only where missing."""
+    admin = aioredis.Redis.from_url(own_server.url)
+    async with HandoffBus.connect(own_server.url, prefix="ro") as bus:
+        handle = await bus.client("a").request_handoff(req("a", "b"))
+        for refuse, undo in [(("CONFIG", "SET", "maxmemory", "1"), ("CONFIG", "SET", "maxmemory", "0")),
+                             (("REPLICAOF", "127.0.0.1", unused_port()), ("REPLICAOF", "NO", "ONE"))]:
+            await admin.execute_command(*refuse)
+            try:
+                status = await bus.client("a").get_handoff_status(handle.handoff_id)
+                pending = await bus.client("b").get_pending_handoffs()
+                async with HandoffBus.connect(own_server.url, prefix="ro") as other:
+                    again = await other.client("a").get_handoff_status(handle.handoff_id)
+            finally:
+                await admin.execute_command(*undo)
+            assert status.status is again.status is HandoffStatus.PENDING, refuse
+            assert [p.handoff_id for p in pending] == [handle.handoff_id], refuse
+    await admin.aclose()
+
+
+async def test_opening_a_bus_loads_the_library_only_where_it_is_missing(own_server: EmbeddedServer) -> None:
+    """FUNCTION LOAD is a write, replicated and appended to the AOF whole even when it changes
+    nothing; health checks open a bus every few seconds."""
+    admin = aioredis.Redis.from_url(own_server.url)
+    async with HandoffBus.connect(own_server.url, prefix="once"):
+        pass
+    await admin.config_resetstat()
+    for _ in range(3):
+        async with HandoffBus.connect(own_server.url, prefix="once") as bus:
+            await bus.client("a").get_handoff_status("a/nothing")
+    stats = await admin.info("commandstats")
+    assert "cmdstat_function|load" not in stats and stats["cmdstat_fcall"]["calls"] >= 3
+    await admin.function_flush()
+    async with HandoffBus.connect(own_server.url, prefix="once"):
+        pass
+    assert (await admin.info("commandstats"))["cmdstat_function|load"]["calls"] == 1
+    await admin.aclose()

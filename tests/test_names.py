@@ -34,7 +34,7 @@ from handoffbus import (
 )
 from handoffbus.names import check_name
 from handoffbus.routing import capability_set
-from handoffbus.scripts import SCRIPT_NAMES, Scripts
+from handoffbus.scripts import SCRIPT_NAMES, Scripts, script_flags
 
 BAD_NAMES = [
     "{", "}", "a{b}", "{a", "a*", "*", "a'b", "'", 'a"b', '"', "a]]", "]]", "a\nb", "a\n", "\n", "a\rb",
@@ -402,8 +402,9 @@ def test_every_script_is_a_file_under_lua() -> None:
     for script in scripts:
         [path] = LUA.glob(f"{script.name}-*.lua")
         body = re.sub(r"^-- @include \w+$", "", path.read_text("utf-8"), flags=re.MULTILINE)
-        assert f"redis.register_function('{script.function}', function(keys, args)\nKEYS, ARGV = keys, args\n{body}" \
-            in library
+        flags = ", ".join(f"'{flag}'" for flag in script_flags(script.name))
+        assert (f"redis.register_function{{function_name='{script.function}', flags={{{flags}}}, "
+                f"callback=function(keys, args)\nKEYS, ARGV = keys, args\n{body}\nend}}") in library
         assert script.function.startswith("hb_") and script.function.endswith(f"_{script.name}")
 
 
@@ -426,8 +427,9 @@ async def test_only_the_files_are_loaded() -> None:
     for script in scripts:
         [path] = LUA.glob(f"{script.name}-*.lua")
         body = re.sub(r"^-- @include \w+$", "", path.read_text("utf-8"), flags=re.MULTILINE)
-        rest = rest.replace(f"redis.register_function('{script.function}', function(keys, args)\n"
-                            f"KEYS, ARGV = keys, args\n{body}\nend)", "", 1)
+        flags = ", ".join(f"'{flag}'" for flag in script_flags(script.name))
+        rest = rest.replace(f"redis.register_function{{function_name='{script.function}', flags={{{flags}}}, "
+                            f"callback=function(keys, args)\nKEYS, ARGV = keys, args\n{body}\nend}}", "", 1)
     assert rest.split() == ["#!lua", f"name={scripts.library}", "local", "KEYS,", "ARGV"]
 
 

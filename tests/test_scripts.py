@@ -17,7 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from handoffbus import EncodeError, HandoffBus, HandoffHandle, HandoffStatus, ScriptsFlushed, wire
-from handoffbus.scripts import SCRIPT_NAMES, Scripts, _files, key_count, script_source
+from handoffbus.scripts import SCRIPT_NAMES, Scripts, _files, key_count, script_flags, script_source
 from handoffbus.wire import Group, Line, ScriptCall, _round_trip, pack_fcall
 from handoffbus.workers.inbox import Inbox
 
@@ -42,6 +42,15 @@ def test_every_script_has_a_header_matching_its_keys(name: str) -> None:
 
 def test_every_script_file_is_registered() -> None:
     assert set(_files()) == set(SCRIPT_NAMES)
+
+
+def test_the_read_scripts_are_flagged_as_reads() -> None:
+    """A function without ``no-writes`` counts as a write: a replica or a server out of memory
+    refuses it up front. The reads a worker, a listing and the exporter make carry the flag
+    (the server then refuses any write they would make); ``status`` may write (it expires a
+    record that is due), and reads plainly when refused."""
+    assert {name for name in SCRIPT_NAMES if script_flags(name) == ["no-writes"]} == {"load", "blob", "observe"}
+    assert all(script_flags(name) in ([], ["no-writes"]) for name in SCRIPT_NAMES)
 
 
 @given(keys=st.lists(st.text(min_size=1), max_size=5),
@@ -422,3 +431,25 @@ async def test_a_queue_entry_whose_reply_was_lost_is_not_sent_again_once_its_han
         assert await bus.redis.zscore(bus.keys.target("b").queue, handle.handoff_id) is None  # not back
         record = await handle.status()
         assert record is not None and record.status is HandoffStatus.COMPLETED
+
+
+async def test_a_transitions_whole_reply_is_read_as_well(bus: HandoffBus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transition made now answers {1, to, ts, owner}; a forwarder of an earlier version
+    relays the whole response instead, which reads the same."""
+    a, b = bus.client("a"), bus.client("b")
+    handle = await a.request_handoff(req("a", "b"))
+    script = bus.script
+
+    async def whole(name: str, keys: list[str], args: list[Any]) -> Any:
+        reply = await script(name, keys, args)
+        if name == "accept" and int(reply[0]) == 1:
+            assert len(reply) == 4
+            fields = dict(zip(args[5::2], args[6::2], strict=True))
+            reply = [1, reply[1], b"ACCEPTED", args[2].encode(), reply[2], reply[3],
+                     None, None, None, None, None, None, fields.get("rmeta"), None]
+        return reply
+
+    monkeypatch.setattr(bus, "script", whole)
+    accepted = await b.accept_handoff(handle.handoff_id, metadata={"m": 1})
+    assert accepted == (await a.get_handoff_status(handle.handoff_id)).response
+    assert accepted.accepting_agent == "b" and accepted.metadata == {"m": 1} and accepted.timestamp_ms > 0

@@ -8,4 +8,5 @@
 
   Returns the content, or false (nil) when it is gone.
 ]]
+-- @flags no-writes
 return redis.call('GET', KEYS[1])

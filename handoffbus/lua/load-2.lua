@@ -16,6 +16,7 @@
   signed request before decoding it; the lease tells a running handler whether its hold
   still stands.
 ]]
+-- @flags no-writes
 local row = redis.call('HMGET', KEYS[1], 'status', 'env', 'agent', 'attempt', 'created', 'deadline', 'id',
   'from', 'to', 'routed', 'caps', 'rsig', 'lease', 'esz', 'sig')
 local t = redis.call('TIME')

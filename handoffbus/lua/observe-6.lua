@@ -13,6 +13,7 @@
            (the heads of the lowest bands in ascending order, then of the highest in descending)
   The caller reads the heads' records (in their requesters' slots) for their ages.
 ]]
+-- @flags no-writes
 local queued = redis.call('ZCARD', KEYS[1])
 local inflight = redis.call('HLEN', KEYS[3])
 local first = redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', 1)
