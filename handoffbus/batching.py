@@ -16,22 +16,26 @@ On a Redis Cluster, ``cluster.py`` sends each batch (see there).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
+from redis.exceptions import RedisError
 
 from .cluster import ClusterSender, is_cluster
 from .errors import HandoffbusError, ScriptsFlushed
 from .scripts import GET, SET, Reload, Script, Scripts
-from .wire import Group, Line, ScriptCall, Watcher, no_script, unsendable, with_unsendable
+from .wire import Group, Line, ScriptCall, Watcher, no_script, refuses_writes, unsendable, with_unsendable
 
 __all__ = ["ScriptBatcher"]
 
 #: times a call whose function was missing is loaded and sent again before its error is returned
 RELOAD_ROUNDS = 5
+#: seconds a load the server refused is not tried again (see ScriptBatcher.load)
+REFUSED_LOAD_WAIT = 5.0
 
 
 class ScriptBatcher:
@@ -51,6 +55,7 @@ class ScriptBatcher:
         # fakeredis has no wire: it takes commands through redis-py's pipeline
         direct = not type(redis).__module__.startswith("fakeredis")
         self._reload = reload or self.load
+        self._refused: tuple[RedisError, float] | None = None  # the last refused load, and until when
         self._cluster = ClusterSender(redis, self._in_flight, self._reload) if is_cluster(redis) else None
         #: on one server, where each sender's kept connection comes from (see wire.Line)
         self._lines: Any = None
@@ -61,8 +66,20 @@ class ScriptBatcher:
 
     async def load(self, missing: Sequence[Script]) -> None:
         """Load the library the server (or a primary) lost: every function at once (see
-        Scripts.load_all)."""
-        await self._scripts.load_all(self._redis)
+        Scripts.load_all). A load the server refused (a replica, a full server: see
+        ``wire.refuses_writes``) is not sent again for ``REFUSED_LOAD_WAIT`` seconds: the calls
+        that miss meanwhile hear the same refusal at once, rather than each send the library
+        (78 KB) to be refused."""
+        if self._refused is not None and time.monotonic() < self._refused[1]:
+            exc = self._refused[0]
+            raise type(exc)(*exc.args)
+        try:
+            await self._scripts.load_all(self._redis)
+        except RedisError as exc:
+            if refuses_writes(exc):
+                self._refused = (exc, time.monotonic() + REFUSED_LOAD_WAIT)
+            raise
+        self._refused = None
 
     @property
     def redirects(self) -> Counter[str]:

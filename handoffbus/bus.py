@@ -11,14 +11,7 @@ from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
-from redis.exceptions import (
-    AuthenticationError,
-    NoPermissionError,
-    OutOfMemoryError,
-    ReadOnlyError,
-    RedisClusterException,
-    RedisError,
-)
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisClusterException, RedisError
 
 from .batching import ScriptBatcher
 from .client import HandoffClient
@@ -32,7 +25,7 @@ from .forwarding import Outbox
 from .keys import GROUP, Keys, RecordKeys
 from .models import HandoffRecord
 from .names import split_handoff_id
-from .plainreads import load_rows, refuses_scripts, refuses_writes, server_time_ms, status_reply
+from .plainreads import load_rows, refuses_scripts, server_time_ms, status_reply
 from .policies import HandoffPolicy
 from .records import Loaded, loaded_from_row, poison_row, record_from_hash
 from .registered import Registered
@@ -42,7 +35,7 @@ from .signing import Keyring
 from .stats import StatsFlusher, Tally
 from .sweeper import Sweeper
 from .waiters import ResponseReader, Waiter, clock
-from .wire import Line
+from .wire import Line, refuses_writes
 
 __all__ = ["HandoffBus"]
 
@@ -204,7 +197,10 @@ class HandoffBus:
                     await self.scripts.ensure_loaded(self.redis)
                 except NoPermissionError:  # a read-only user, like acl.py's monitor: it reads plainly
                     self._read_plainly()
-                except (ReadOnlyError, OutOfMemoryError) as exc:  # a replica, or a full server: reads go on
+                except RedisError as exc:
+                    if not refuses_writes(exc):
+                        raise
+                    # a replica, a full server...: reads go on (plainly where a function is missing)
                     log.warning("the function library is not loaded, and could not be (%s)", exc)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             self._batcher = ScriptBatcher(self.redis, self.scripts, reload=reload, lines=self._lines)
@@ -468,7 +464,8 @@ class HandoffBus:
             return [await status_reply(self.redis, keys)]
 
         [reply] = await self.read_scripts([("status", keys.as_list(), [
-            request_id, self.config.retention_ms, self.config.response_retention_ms, *self._inline_limit()])], plain)
+            request_id, self.config.retention_ms, self.config.response_retention_ms, *self._inline_limit()])], plain,
+            stands_in=_not_due)
         if reply[0] == -1:
             return None
         fields = dict(zip(reply[3::2], reply[4::2], strict=True))
@@ -497,21 +494,26 @@ class HandoffBus:
             log.warning("could not take %d handoffs out of their capability sets' queues: %s", len(items), exc)
 
     async def read_scripts(
-        self, calls: list[tuple[str, list[str], list[Any]]], plain: Callable[[], Awaitable[list[Any]]]
+        self, calls: list[tuple[str, list[str], list[Any]]], plain: Callable[[], Awaitable[list[Any]]],
+        stands_in: Callable[[list[Any]], bool] | None = None,
     ) -> list[Any]:
         """The replies of read scripts (the first error raised), or, once the server refused this
         user FCALL itself, what ``plain`` reads with plain commands (plainreads.py): from then
         on this bus reads plainly, and tries the scripts again every ``scripts_recheck``. A
-        replica or a server out of memory refuses ``status``, which may write: that call reads
-        plainly. A key
-        it may not reach is refused to plain reads as well, and an isolated agent's reads of its
-        peers go through the forwarder: never plain."""
+        server that refuses writes (``wire.refuses_writes``: a replica, say) refuses ``status``,
+        which may write: that call reads plainly, unless ``stands_in`` says the plain reading
+        cannot stand in for what the script would have done (a record due to expire), and then
+        the refusal is raised. A key it may not reach is refused to plain reads as well, and an
+        isolated agent's reads of its peers go through the forwarder: never plain."""
         if not self.plain_reads or clock() >= self._scripts_again_at:
             replies = await self.scripts_many(calls)
             if self._outbox is None and any(map(refuses_scripts, replies)):
                 self._read_plainly()
             elif self._outbox is None and any(map(refuses_writes, replies)):
-                return await plain()  # this once: a replica, or a server out of memory
+                answer = await plain()  # this once
+                if stands_in is None or stands_in(answer):
+                    return answer
+                raise next(reply for reply in replies if refuses_writes(reply))
             else:
                 if self.plain_reads:
                     log.info("this bus's user may run scripts again: reading with them")
@@ -560,3 +562,14 @@ class HandoffBus:
             for key in keys:
                 pipe.execute_command("UNLINK", key)
             return sum(await pipe.execute())
+
+
+def _not_due(replies: list[Any]) -> bool:
+    """Whether a record read plainly is not one the ``status`` script would have expired: only
+    a write settles a PENDING handoff past its deadline, and a reader waiting on it would read
+    it again and again."""
+    [reply] = replies
+    if reply[0] == -1:
+        return True
+    fields = dict(zip(reply[3::2], reply[4::2], strict=True))
+    return not (fields.get(b"status") == b"PENDING" and int(fields.get(b"deadline") or 0) <= int(reply[0]))

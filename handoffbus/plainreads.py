@@ -15,12 +15,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from redis.exceptions import NoPermissionError, OutOfMemoryError, ReadOnlyError
+from redis.exceptions import NoPermissionError
 
 from .keys import RecordKeys, TargetKeys
 
-__all__ = ["LOAD_FIELDS", "load_rows", "observe_replies", "refuses_scripts", "refuses_writes", "server_time_ms",
-           "status_reply"]
+__all__ = ["LOAD_FIELDS", "load_rows", "observe_replies", "refuses_scripts", "server_time_ms", "status_reply"]
 
 #: a queue score is priority * 2^42 + sequence (see lua/enqueue-5.lua)
 BAND_SIZE = 1 << 42
@@ -34,13 +33,6 @@ def refuses_scripts(reply: object) -> bool:
     """Whether a reply is the server's NOPERM for FCALL itself (not for a key: a key this
     user may not reach is refused to plain reads as well)."""
     return isinstance(reply, NoPermissionError) and "'fcall'" in str(reply).lower()
-
-
-def refuses_writes(reply: object) -> bool:
-    """Whether a reply is a server's refusal of a function that may write (``status`` expires a
-    record that is due): a replica, or a server out of memory, refuses it whole, where a
-    function flagged ``no-writes`` runs."""
-    return isinstance(reply, OutOfMemoryError | ReadOnlyError)
 
 
 async def server_time_ms(redis: Any) -> int:

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
+from redis.exceptions import RedisError
 
 from . import errors
 from .config import MAX_PRIORITY
@@ -31,6 +32,7 @@ from .models import AgentInfo, HandoffResponse, HandoffStatus, WorkerInfo
 from .names import check_names, split_handoff_id
 from .records import response_from_reply, text
 from .registered import Registered
+from .wire import refuses_writes
 
 if TYPE_CHECKING:
     from .bus import HandoffBus
@@ -188,7 +190,12 @@ class Directory:
                 elif info.beat_ms + 10 * ttl <= now:
                     gone.append(consumer)  # a worker that died long ago: forget it
             if gone and not bus.plain_reads:  # a read-only user (the monitor) leaves it to others
-                await bus.redis.hdel(bus.keys.workers(agent), *gone)
+                try:
+                    await bus.redis.hdel(bus.keys.workers(agent), *gone)
+                except RedisError as exc:  # a replica, say: the listing stands, someone prunes later
+                    if not refuses_writes(exc):
+                        raise
+                    log.info("could not forget %d gone worker(s) of %s (%s)", len(gone), agent, exc)
             if workers:
                 caps = sorted(granted(grants, agent, {c for w in workers for c in w.capabilities}))
                 found.append(AgentInfo(agent_id=agent, capabilities=caps,

@@ -18,14 +18,14 @@ from typing import Any
 import anyio
 from hiredis import pack_command
 from redis.crc import key_slot
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import EncodeError
 from .scripts import Script
 
 __all__ = ["Group", "Line", "ScriptCall", "exchange", "guard_key", "no_script", "pack_call", "pack_fcall",
-           "unsendable", "with_unsendable"]
+           "refuses_writes", "unsendable", "with_unsendable"]
 
 _ASKING = b"*1\r\n$6\r\nASKING\r\n"
 
@@ -111,6 +111,14 @@ def no_script(reply: Any) -> bool:
     """Whether a reply says the server does not have the function called (the library is not
     loaded there): Redis and Valkey answer "ERR Function not found"."""
     return isinstance(reply, ResponseError) and str(reply).startswith("Function not found")
+
+
+def refuses_writes(reply: object) -> bool:
+    """Whether a reply is a server's refusal of anything that may write: a replica (READONLY),
+    past maxmemory (OOM; a function flagged allow-oom runs), a failed snapshot (MISCONF), too
+    few replicas (NOREPLICAS). A function not flagged no-writes is refused whole, before it runs."""
+    return isinstance(reply, OutOfMemoryError | ReadOnlyError) or (
+        isinstance(reply, ResponseError) and str(reply).startswith(("MISCONF", "NOREPLICAS")))
 
 
 def pack_call(call: ScriptCall, guard: bool = False) -> bytes:

@@ -11,13 +11,16 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 import redis
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError
 
 from handoffbus import EmbeddedServer, HandoffBus, HandoffClient, HandoffResponse, HandoffStatus, Worker
 from handoffbus.embedded import EmbeddedCluster, _cluster_ok, _node_client, _pings, _poll
+from handoffbus.models import WorkerInfo
 
 from .agents import Echo
 from .conftest import SERVER_BINARIES, start_cluster, start_server
@@ -224,25 +227,81 @@ async def test_a_worker_waits_out_a_cluster_whose_nodes_are_all_down(
             worker.drain()
 
 
-async def test_reads_go_on_while_the_server_is_a_replica_or_out_of_memory(own_server: EmbeddedServer) -> None:
-    """Either refuses a function that may write, up front: ``load`` is flagged ``no-writes``,
-    and ``status`` (which expires a record that is due) reads plainly then. A bus still opens:
-    the library is there, and it is loaded only where missing."""
+async def test_reads_go_on_while_the_server_refuses_writes(own_server: EmbeddedServer) -> None:
+    """A replica, too few replicas for min-replicas-to-write, and a server past maxmemory each
+    refuse a function that may write, up front: ``load`` is flagged ``no-writes``, and
+    ``status`` (which expires a record that is due) reads plainly then; a listing of agents
+    still comes, with a long-gone worker to forget in it. A bus still opens: the library is
+    there, and it is loaded only where missing."""
     admin = aioredis.Redis.from_url(own_server.url)
     async with HandoffBus.connect(own_server.url, prefix="ro") as bus:
         handle = await bus.client("a").request_handoff(req("a", "b"))
+        gone = WorkerInfo(consumer="c-gone", state="RUNNABLE", load=0, limit=1, beat_ms=1000)
+        await admin.sadd(bus.keys.agents, "b")
+        await admin.hset(bus.keys.workers("b"), "c-gone", msgspec.json.encode({**msgspec.structs.asdict(gone),
+                                                                                "ttl_ms": 1000}))
         for refuse, undo in [(("CONFIG", "SET", "maxmemory", "1"), ("CONFIG", "SET", "maxmemory", "0")),
+                             (("CONFIG", "SET", "min-replicas-to-write", "1"),
+                              ("CONFIG", "SET", "min-replicas-to-write", "0")),
                              (("REPLICAOF", "127.0.0.1", unused_port()), ("REPLICAOF", "NO", "ONE"))]:
             await admin.execute_command(*refuse)
             try:
                 status = await bus.client("a").get_handoff_status(handle.handoff_id)
                 pending = await bus.client("b").get_pending_handoffs()
+                agents = await bus.client("a").list_agents()
                 async with HandoffBus.connect(own_server.url, prefix="ro") as other:
                     again = await other.client("a").get_handoff_status(handle.handoff_id)
             finally:
                 await admin.execute_command(*undo)
             assert status.status is again.status is HandoffStatus.PENDING, refuse
             assert [p.handoff_id for p in pending] == [handle.handoff_id], refuse
+            assert agents == [], refuse
+    await admin.aclose()
+
+
+async def test_past_maxmemory_work_under_way_ends_and_new_work_is_refused(own_server: EmbeddedServer) -> None:
+    """Functions that decide, finish or expire handoffs are flagged allow-oom (as EVALSHA
+    scripts ran once their first write freed memory): a handoff under way completes, one due
+    expires when read, and a new request is refused."""
+    admin = aioredis.Redis.from_url(own_server.url)
+    async with HandoffBus.connect(own_server.url, prefix="oom") as bus:
+        a, b = bus.client("a"), bus.client("b")
+        under_way = await a.request_handoff(req("a", "b"))
+        await b.accept_handoff(under_way.handoff_id)
+        due = await a.request_handoff(req("a", "b", timeout=0.2))
+        await admin.config_set("maxmemory", 1)
+        try:
+            completed = await b.complete_handoff(under_way.handoff_id, result="done")
+            with anyio.fail_after(5):
+                expired = await due.decision()
+            with pytest.raises(OutOfMemoryError):
+                await a.request_handoff(req("a", "b"))
+        finally:
+            await admin.config_set("maxmemory", 0)
+    assert completed.status is HandoffStatus.COMPLETED and expired.status is HandoffStatus.EXPIRED
+    await admin.aclose()
+
+
+async def test_a_due_handoff_on_a_replica_is_waited_for_not_read_again_and_again(
+        own_server: EmbeddedServer) -> None:
+    """Only a write settles a PENDING handoff past its deadline. Read plainly on a replica it
+    would stay PENDING, and a handle waiting on its decision would read it every few ms: the
+    refusal is raised instead, which the handle rides out as it does a failover (with
+    backoff), and once the server takes writes again the read expires it."""
+    admin = aioredis.Redis.from_url(own_server.url)
+    async with HandoffBus.connect(own_server.url, prefix="due", sweep_interval=3600) as bus:
+        due = await bus.client("a").request_handoff(req("a", "b", timeout=0.2))
+        await admin.execute_command("REPLICAOF", "127.0.0.1", unused_port())
+        try:
+            before = (await admin.info("commandstats")).get("cmdstat_hgetall", {}).get("calls", 0)
+            with anyio.move_on_after(1.5):
+                await due.decision()
+            reads = (await admin.info("commandstats"))["cmdstat_hgetall"]["calls"] - before
+        finally:
+            await admin.execute_command("REPLICAOF", "NO", "ONE")
+        with anyio.fail_after(10):
+            decided = await due.decision()
+    assert 1 <= reads <= 12 and decided.status is HandoffStatus.EXPIRED, reads
     await admin.aclose()
 
 
@@ -262,4 +321,24 @@ async def test_opening_a_bus_loads_the_library_only_where_it_is_missing(own_serv
     async with HandoffBus.connect(own_server.url, prefix="once"):
         pass
     assert (await admin.info("commandstats"))["cmdstat_function|load"]["calls"] == 1
+    await admin.aclose()
+
+
+async def test_a_refused_load_is_not_sent_again_for_every_read(own_server: EmbeddedServer) -> None:
+    """On a replica whose primary lacks this version's library, every call misses its function;
+    the first load is refused, and the next calls hear that refusal without sending the 78 KB
+    library again (the reads themselves go on plainly)."""
+    admin = aioredis.Redis.from_url(own_server.url)
+    async with HandoffBus.connect(own_server.url, prefix="nolib", sweep_interval=3600) as bus:
+        handle = await bus.client("a").request_handoff(req("a", "b"))
+        await admin.function_flush()
+        await admin.config_resetstat()
+        await admin.execute_command("REPLICAOF", "127.0.0.1", unused_port())
+        try:
+            statuses = [(await bus.client("a").get_handoff_status(handle.handoff_id)).status for _ in range(5)]
+            load = (await admin.info("commandstats")).get("cmdstat_function|load", {})
+        finally:
+            await admin.execute_command("REPLICAOF", "NO", "ONE")
+    assert statuses == [HandoffStatus.PENDING] * 5
+    assert load.get("calls", 0) + load.get("rejected_calls", 0) == 1, load
     await admin.aclose()

@@ -44,13 +44,16 @@ def test_every_script_file_is_registered() -> None:
     assert set(_files()) == set(SCRIPT_NAMES)
 
 
-def test_the_read_scripts_are_flagged_as_reads() -> None:
+def test_the_scripts_are_flagged_for_a_server_that_refuses_writes() -> None:
     """A function without ``no-writes`` counts as a write: a replica or a server out of memory
     refuses it up front. The reads a worker, a listing and the exporter make carry the flag
-    (the server then refuses any write they would make); ``status`` may write (it expires a
-    record that is due), and reads plainly when refused."""
+    (the server then refuses any write they would make). Past maxmemory, what decides,
+    finishes, expires or moves handoffs already made runs (``allow-oom``); what makes new work
+    or bookkeeping is refused."""
     assert {name for name in SCRIPT_NAMES if script_flags(name) == ["no-writes"]} == {"load", "blob", "observe"}
-    assert all(script_flags(name) in ([], ["no-writes"]) for name in SCRIPT_NAMES)
+    assert {name for name in SCRIPT_NAMES if script_flags(name) == []} == {
+        "request", "enqueue", "route", "register", "count"}
+    assert all(script_flags(name) in ([], ["no-writes"], ["allow-oom"]) for name in SCRIPT_NAMES)
 
 
 @given(keys=st.lists(st.text(min_size=1), max_size=5),

@@ -22,5 +22,6 @@
     {-9, field} ARGV[6..] names a field a transition may not write
   Events: one entry on KEYS[4]: id, status, actor, ts and the response fields.
 ]]
+-- @flags allow-oom
 -- @include record
 return run_transition('ACCEPTED', {PENDING = true}, 'target')

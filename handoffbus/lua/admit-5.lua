@@ -12,6 +12,7 @@
 
   Returns {handoff id, inbox entry id, ...} for the handoffs admitted now.
 ]]
+-- @flags allow-oom
 -- @include holder
 -- @include queue
 

@@ -19,6 +19,7 @@
     {-1} no such handoff   {-2, status} not PENDING   {-3} its deadline passed (made EXPIRED now)
     {-4} not a routed handoff
 ]]
+-- @flags allow-oom
 -- @include record
 -- @include offer
 

@@ -22,5 +22,6 @@
     {-6, holder} the handoff's lease is held by another consumer (pass 'lease' to finish it)
   Events: one entry on KEYS[4]: id, status, actor, ts and the response fields.
 ]]
+-- @flags allow-oom
 -- @include record
 return run_transition('COMPLETED', {ACCEPTED = true}, 'owner')

@@ -16,6 +16,7 @@
   restored since the handoff was taken, and ARGV[3] names nothing any more. Held by another
   consumer, it is a later delivery of the handoff, in that consumer's hands: left alone.
 ]]
+-- @flags allow-oom
 -- @include holder
 
 local ids = {ARGV[3]}

@@ -9,6 +9,7 @@
 
   Returns how many guards were set.
 ]]
+-- @flags allow-oom
 local t = redis.call('TIME')
 local at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
 for i = 2, #ARGV do

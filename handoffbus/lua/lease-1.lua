@@ -7,6 +7,7 @@
   Returns 1 if the caller holds the lease for the next ARGV[2] ms (or released it), 0 if
   another holder does.
 ]]
+-- @flags allow-oom
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[1] then return 0 end
 if tonumber(ARGV[2]) == 0 then

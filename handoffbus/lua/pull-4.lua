@@ -17,6 +17,7 @@
   whose meta cannot be read, are dropped on the way (their records expire by themselves, or
   their routing guard routes them again).
 ]]
+-- @flags allow-oom
 -- @include offer
 -- @include route
 

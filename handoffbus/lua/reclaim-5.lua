@@ -18,6 +18,7 @@
     {-4} the acting agent is not the one that accepted it
     {-6, holder} a retry whose caller no longer holds the lease
 ]]
+-- @flags allow-oom
 local rec = redis.call('HMGET', KEYS[1], 'status', 'agent', 'attempt', 'lease')
 if not rec[1] then return {-1} end
 if rec[1] ~= 'ACCEPTED' then return {-2, rec[1]} end

@@ -27,6 +27,7 @@
     {-9, field} ARGV[6..] names a field a transition may not write
   Events: one entry on KEYS[4]: id, status, actor, ts and the response fields (not for a refusal).
 ]]
+-- @flags allow-oom
 -- @include record
 -- @include offerback
 

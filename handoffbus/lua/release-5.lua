@@ -22,6 +22,7 @@
         or gone (nothing written)
   Events: none (the requester hears nothing; the route shows RELEASED).
 ]]
+-- @flags allow-oom
 -- @include record
 -- @include offerback
 

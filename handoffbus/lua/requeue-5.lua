@@ -18,6 +18,7 @@
   as this one's).
   Events: one entry on KEYS[5] (MAXLEN 1) so blocked workers wake (none when settled only).
 ]]
+-- @flags allow-oom
 -- @include holder
 -- @include queue
 

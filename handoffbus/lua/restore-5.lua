@@ -9,6 +9,7 @@
 
   Returns the number of in-flight handoffs restored (0: the group existed).
 ]]
+-- @flags allow-oom
 -- @include holder
 -- @include queue
 

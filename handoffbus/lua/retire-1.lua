@@ -13,6 +13,7 @@
 
   Returns the number of consumers deleted (0 when the group does not exist).
 ]]
+-- @flags allow-oom
 local deleted = 0
 for i = 2, #ARGV do
   if KEYS[i] and redis.call('EXISTS', KEYS[i]) == 0 then

@@ -6,4 +6,5 @@
 
   Returns the doorbell entry id.
 ]]
+-- @flags allow-oom
 return redis.call('XADD', KEYS[1], 'MAXLEN', 1, '*', 'h', ARGV[1])

@@ -7,6 +7,7 @@
 
   Returns the number of queue members and inbox entries removed.
 ]]
+-- @flags allow-oom
 -- @include holder
 -- @include queue
 

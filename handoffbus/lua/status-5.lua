@@ -16,6 +16,7 @@
     {-1} no such handoff
   Events: EXPIRED on KEYS[4] when this read expired the handoff.
 ]]
+-- @flags allow-oom
 -- @include record
 
 local rec = redis.call('HGETALL', KEYS[1])

@@ -23,6 +23,7 @@
   set: one not offered to an agent waits there), and routes lapsed ones again.
   Events: EXPIRED on <p>:{R}:responses for each expired handoff.
 ]]
+-- @flags allow-oom
 -- @include record
 
 local base = ARGV[1]

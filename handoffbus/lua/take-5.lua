@@ -13,6 +13,7 @@
   A queued handoff already in the in-flight index leaves the queue and is not delivered
   again (nor counted in COUNT).
 ]]
+-- @flags allow-oom
 -- @include holder
 -- @include queue
 

@@ -13,6 +13,7 @@
   offered to an agent meanwhile (left alone); {-1} not found; {-2, status} not PENDING;
   {-3} expired (made EXPIRED now); {-4} not a routed handoff.
 ]]
+-- @flags allow-oom
 -- @include record
 
 local request_id = ARGV[2]

@@ -12,6 +12,7 @@
   caller's queue entry was refused too, the record stays PENDING and unqueued until the same
   request is sent again (and queued) or its deadline expires it: nothing is lost either way.
 ]]
+-- @flags allow-oom
 local rec = redis.call('HMGET', KEYS[1], 'status', 'joined')
 if rec[1] ~= 'PENDING' or rec[2] then return 0 end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[5])
