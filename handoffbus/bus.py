@@ -324,29 +324,34 @@ class HandoffBus:
 
     # ------------------------------------------------------------------ shared by clients
 
-    async def script(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        """Run one script; calls made at the same time share a pipeline (see batching.py)."""
+    def script(self, name: str, keys: list[str], args: list[Any]) -> Awaitable[Any]:
+        """Run one script; calls made at the same time share a pipeline (see batching.py). Not
+        a coroutine itself: the batcher's call is handed back to be awaited, one coroutine less
+        for every wait to pass through."""
         if self._batcher is None:
             raise HandoffbusError("the bus is not open: use 'async with bus'")
         if self._outbox is not None:
-            [reply] = await self.scripts_many([(name, keys, args)])
-            if isinstance(reply, BaseException):
-                raise reply
-            return reply
-        return await self._batcher.call(self.scripts[name], keys, args)
+            return self._forwarded_script(name, keys, args)
+        return self._batcher.call(self.scripts[name], keys, args)
 
-    async def scripts_many(self, calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
-        """Run several scripts in this order in one round trip; each reply or its exception."""
+    async def _forwarded_script(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        [reply] = await self.scripts_many([(name, keys, args)])
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    def scripts_many(self, calls: list[tuple[str, list[str], list[Any]]]) -> Awaitable[list[Any]]:
+        """Run several scripts in this order in one round trip; each reply or its exception.
+        Not a coroutine itself, as ``script``."""
         if self._batcher is None:
             raise HandoffbusError("the bus is not open: use 'async with bus'")
         batcher = self._batcher
-
-        async def run(batch: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
-            return await batcher.call_many([(self.scripts[n], k, a) for n, k, a in batch])
-
         if self._outbox is not None:
-            return await self._outbox.call_many(calls, run)
-        return await run(calls)
+            async def run(batch: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+                return await batcher.call_many([(self.scripts[n], k, a) for n, k, a in batch])
+
+            return self._outbox.call_many(calls, run)
+        return batcher.call_many([(self.scripts[n], k, a) for n, k, a in calls])
 
     def forwarded(self, keys: Sequence[str]) -> bool:
         """Whether a call on ``keys`` goes through the forwarder (an isolated agent's, outside

@@ -65,11 +65,13 @@ class Group:
         self.pending = size
         self._all_done: asyncio.Future[None] | None = None
 
-    async def wait(self) -> None:
-        """Until every call of the group is finished."""
-        if self.pending:
-            self._all_done = asyncio.get_running_loop().create_future()
-            await self._all_done
+    def wait(self) -> Awaitable[None]:
+        """Until every call of the group is finished: the future itself, awaited by the caller
+        (a coroutine around it would be one more frame for every wait to pass through)."""
+        done = self._all_done = asyncio.get_running_loop().create_future()
+        if not self.pending:
+            done.set_result(None)
+        return done
 
     def one_finished(self) -> None:
         self.pending -= 1
