@@ -116,13 +116,18 @@ async def test_a_mixed_run_makes_no_crossslot_error(
     cluster: EmbeddedCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[tuple[str, list[str]]] = []
-    call_many = ScriptBatcher.call_many
+    call_many, call = ScriptBatcher.call_many, ScriptBatcher.call
 
     async def spy(self: ScriptBatcher, batch: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
         calls.extend((script.name, keys) for script, keys, _ in batch)
         return await call_many(self, batch)
 
+    async def spy_one(self: ScriptBatcher, script: Any, keys: list[str], args: list[Any]) -> Any:
+        calls.append((script.name, keys))
+        return await call(self, script, keys, args)
+
     monkeypatch.setattr(ScriptBatcher, "call_many", spy)
+    monkeypatch.setattr(ScriptBatcher, "call", spy_one)
     prefix = new_prefix()
     async with admin(cluster) as nodes:
         # the control: a node does count a cross-slot call

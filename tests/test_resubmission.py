@@ -70,13 +70,18 @@ async def test_a_decided_handoff_resubmitted_is_never_queued_again(bus: HandoffB
     sent: list[str] = []
     batcher = bus._batcher
     assert batcher is not None
-    call_many = batcher.call_many
+    call_many, call = batcher.call_many, batcher.call
 
     async def recording(batch: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
         sent.extend(script.name for script, _, _ in batch)
         return await call_many(batch)
 
+    async def recording_one(script: Any, keys: list[str], args: list[Any]) -> Any:
+        sent.append(script.name)
+        return await call(script, keys, args)
+
     batcher.call_many = recording  # type: ignore[method-assign]
+    batcher.call = recording_one  # type: ignore[method-assign]
     again = await alice.request_handoff(req("alice", "bob", request_id="r1"))
     assert (await again.decision()).status is HandoffStatus.ACCEPTED
     # queued again, a worker of bob's could take it and run the work a second time

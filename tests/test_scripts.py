@@ -100,13 +100,18 @@ async def test_every_call_stays_in_one_hash_slot(bus: HandoffBus) -> None:
     calls: list[tuple[str, list[str], list[Any]]] = []
     batcher = bus._batcher
     assert batcher is not None
-    call_many = batcher.call_many
+    call_many, call = batcher.call_many, batcher.call
 
     async def recording(batch: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
         calls.extend((script.name, keys, args) for script, keys, args in batch)
         return await call_many(batch)
 
+    async def recording_one(script: Any, keys: list[str], args: list[Any]) -> Any:
+        calls.append((script.name, keys, args))
+        return await call(script, keys, args)
+
     batcher.call_many = recording  # type: ignore[method-assign]
+    batcher.call = recording_one  # type: ignore[method-assign]
     a, b = bus.client("general-agent-1"), bus.client("security-specialist-1")
     h1 = await a.request_handoff(req("general-agent-1", "security-specialist-1"))
     h2 = await a.request_handoff(req("general-agent-1", "security-specialist-1", timeout=0.1))
