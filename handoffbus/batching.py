@@ -8,8 +8,8 @@ latency is one round trip as before.
 
 Each call keeps its own reply or error. A call whose function the server does not have (a
 FUNCTION FLUSH, a restart without persistence, a new primary) has the library loaded and is
-sent again. When the bus closes, calls not
-yet answered fail with ``HandoffbusError`` instead of waiting forever.
+sent again. When the bus closes, calls not yet answered fail with ``HandoffbusError``
+instead of waiting forever.
 
 On a Redis Cluster, ``cluster.py`` sends each batch (see there).
 """
@@ -87,14 +87,9 @@ class ScriptBatcher:
         return Counter(self._cluster.redirects) if self._cluster is not None else Counter()
 
     async def call(self, script: Script, keys: list[str], args: list[Any]) -> Any:
-        # call_many's body for one call: one coroutine less to pass through, each way, on every
-        # wait (a worker's call goes through a dozen)
-        if self._closed:
-            raise HandoffbusError("the bus is closed")
-        group = Group(1)
-        call = ScriptCall(script, keys, args, group)
-        self._queue.append(call)
-        self._wake.set()
+        # not through call_many: one coroutine less to pass through, each way, on every wait
+        # (a worker's call goes through a dozen)
+        [call], group = self._enqueue([(script, keys, args)])
         await group.wait()
         if call.error is not None:
             raise call.error
@@ -105,14 +100,19 @@ class ScriptBatcher:
         each reply or its exception."""
         if not calls:
             return []  # nothing to wait for (a group of none would never be done)
+        queued, group = self._enqueue(calls)
+        await group.wait()
+        return [call.error if call.error is not None else call.result for call in queued]
+
+    def _enqueue(self, calls: list[tuple[Script, list[str], list[Any]]]) -> tuple[list[ScriptCall], Group]:
+        """Queue the calls as one group, for the senders to take."""
         if self._closed:
             raise HandoffbusError("the bus is closed")
         group = Group(len(calls))
         queued = [ScriptCall(script, keys, args, group) for script, keys, args in calls]
         self._queue.extend(queued)
         self._wake.set()
-        await group.wait()
-        return [call.error if call.error is not None else call.result for call in queued]
+        return queued, group
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -193,10 +193,10 @@ class ScriptBatcher:
     async def _recover(
         self, batch: list[ScriptCall], line: Line | None, first: list[Any], failure: Exception | None
     ) -> None:
-        """Finish a batch some of whose calls found their function missing or went unanswered: those are sent
-        again after a reload, but not those of a group in which a later call ran already (sent
-        again, they would run out of order): they fail with ScriptsFlushed, and the rest of
-        their group keep their replies."""
+        """Finish a batch some of whose calls found their function missing or went unanswered:
+        those are sent again after a reload, but not those of a group in which a later call ran
+        already (sent again, they would run out of order): they fail with ScriptsFlushed, and
+        the rest of their group keep their replies."""
         answers: dict[int, Any] = {}  # id(call) -> its latest reply
         broken: set[Group] = set()
         _answered(batch, first, answers, broken)
@@ -250,8 +250,9 @@ def _answered(calls: list[ScriptCall], replies: list[Any], answers: dict[int, An
 def _out_of_order(calls: list[ScriptCall], replies: list[Any]) -> set[Group]:
     """The groups in which a call ran after an earlier one found its function missing. The
     server read their pipeline in parts, and something loaded the library between them
-    (another client that missed it too): sending the earlier call again would run it after the later one, e.g. a
-    record after its queue entry, which a worker may have taken and dropped meanwhile."""
+    (another client that missed it too): sending the earlier call again would run it after
+    the later one, e.g. a record after its queue entry, which a worker may have taken and
+    dropped meanwhile."""
     missed: set[Group] = set()
     broken: set[Group] = set()
     for call, reply in zip(calls, replies, strict=True):

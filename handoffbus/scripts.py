@@ -152,11 +152,14 @@ def function_name(digest: str, name: str) -> str:
     return f"hb_{digest}_{name}"
 
 
+def library_name() -> str:
+    return LIBRARY_PREFIX + _library_parts()[0]
+
+
 @cache
 def library_source() -> str:
     """The whole library, as FUNCTION LOAD takes it."""
-    digest, text = _library_parts()
-    return f"#!lua name={LIBRARY_PREFIX}{digest}\n{text}"
+    return f"#!lua name={library_name()}\n{_library_parts()[1]}"
 
 
 #: a handoffbus library's name: this and the digest (``FUNCTION LIST LIBRARYNAME handoffbus_*``)
@@ -222,7 +225,7 @@ class Scripts:
         for name in SCRIPT_NAMES:
             setattr(self, name, Script(name))
         self.source = library_source()
-        self.library = LIBRARY_PREFIX + _library_parts()[0]
+        self.library = library_name()
 
     def __iter__(self) -> Iterator[Script]:
         return (getattr(self, name) for name in SCRIPT_NAMES)

@@ -29,17 +29,17 @@ local function fmt(n)
   return string.format('%d', n)
 end
 
--- Fields a response carries besides id/status/actor/ts; read back by the client.
-local RESPONSE_FIELDS = {'agent', 'reason', 'code', 'retry', 'redirect', 'result', 'error', 'rmeta', 'sig'}
-local TERMINAL = {REJECTED = true, COMPLETED = true, EXPIRED = true, CANCELLED = true, FAILED = true}
--- What a transition's caller may pass in ARGV[6..] (see run_transition).
-local WRITABLE = {reason = true, code = true, retry = true, redirect = true, result = true, error = true,
-  rmeta = true, sig = true, lease = true, guard = true}
--- The fields one transition's response carries that the next must not keep (the owner,
--- 'agent', stays).
+-- The fields one transition's response carries that the next must not keep; with the owner,
+-- 'agent', which stays, all a response carries besides id/status/actor/ts (read back by the
+-- client). What a transition's caller may pass in ARGV[6..] (see run_transition): those, its
+-- lease and a refusal's routing guard. (The library's top level runs once, at its load, where
+-- no global function may be called: a plain loop builds the sets.)
 local CLEARED = {'reason', 'code', 'retry', 'redirect', 'result', 'error', 'rmeta', 'sig'}
-local IS_CLEARED = {reason = true, code = true, retry = true, redirect = true, result = true, error = true,
-  rmeta = true, sig = true}
+local RESPONSE_FIELDS, IS_CLEARED, WRITABLE = {'agent'}, {}, {lease = true, guard = true}
+for i = 1, #CLEARED do
+  RESPONSE_FIELDS[i + 1], IS_CLEARED[CLEARED[i]], WRITABLE[CLEARED[i]] = CLEARED[i], true, true
+end
+local TERMINAL = {REJECTED = true, COMPLETED = true, EXPIRED = true, CANCELLED = true, FAILED = true}
 
 -- A response as the flat reply the client reads: status, actor, ts, then RESPONSE_FIELDS
 -- (false where absent). `values` maps field name -> value.
