@@ -28,7 +28,7 @@ from .models import (
 )
 from .names import check_name, join_handoff_id, split_handoff_id
 from .policies.context import without_history
-from .records import made_response, response_from_reply
+from .records import Made, response_from_reply
 from .routing import Call, Directory, capability_set, refusal_response, set_id
 from .scripts import STAGE_OVER, STAGED_TTL_MS
 from .signing import response_body
@@ -49,6 +49,7 @@ FOLLOW_TRIES = 4
 #: the status each signed transition writes
 SIGNED_STATUS = {"accept": "ACCEPTED", "reject": "REJECTED", "complete": "COMPLETED", "fail": "FAILED",
                  "cancel": "CANCELLED"}
+MADE_STATUS = {name: HandoffStatus(status) for name, status in SIGNED_STATUS.items()}
 
 
 class HandoffClient:
@@ -287,9 +288,17 @@ class HandoffClient:
     async def _transition(
         self, name: str, handoff_id: str, fields: dict[str, Any], *, settle: bool = True, created_ms: int = 0
     ) -> HandoffResponse:
+        """Run one transition script and return its response (see ``_transit``)."""
+        done = await self._transit(name, handoff_id, fields, settle=settle, created_ms=created_ms)
+        return done.response(self._bus.codec) if isinstance(done, Made) else done
+
+    async def _transit(
+        self, name: str, handoff_id: str, fields: dict[str, Any], *, settle: bool = True, created_ms: int = 0
+    ) -> HandoffResponse | Made:
         """Run one transition script. ``settle`` also takes the handoff out of the target's queue
         and inbox; a worker passes False and settles in its next ``take`` instead (but a routed
-        handoff refused and sent on, PENDING, is settled here in any case)."""
+        handoff refused and sent on, PENDING, is settled here in any case). A transition made
+        now comes back as ``Made``, whose response is built only by a caller that wants it."""
         requester, request_id = split_handoff_id(handoff_id)
         bus = self._bus
         args: list[Any] = [handoff_id, request_id, self.agent_id, bus.config.retention_ms,
@@ -335,13 +344,18 @@ class HandoffClient:
                            reply[2] if len(reply) > 2 else None)
         # a transition made now answers {1, to, ts, owner}; relayed by a forwarder of a version
         # before that, it comes whole, as a repeated one does
-        response = (made_response(handoff_id, SIGNED_STATUS[name], self.agent_id, reply[2], reply[3], fields, bus.codec)
-                    if code == 1 and len(reply) == 4 else response_from_reply(handoff_id, reply[2:], bus.codec))
+        done: HandoffResponse | Made
+        if code == 1 and len(reply) == 4:
+            done = Made(handoff_id, MADE_STATUS[name], self.agent_id, reply[2], reply[3], fields)
+            at_ms = int(reply[2])
+        else:
+            done = response_from_reply(handoff_id, reply[2:], bus.codec)
+            at_ms = done.timestamp_ms
         if bus.tally.made(handoff_id, name, code):
-            bus.tally.transition(self.agent_id, response.status, created_ms, response.timestamp_ms)
+            bus.tally.transition(self.agent_id, done.status, created_ms, at_ms)
         if settle:
             await bus.settle(reply[1].decode() if reply[1] else self.agent_id, [handoff_id])
-        return response
+        return done
 
     def _meta(self, metadata: dict[str, Any] | None) -> bytes | None:
         if metadata is None:

@@ -24,6 +24,8 @@ GROUP = "workers"
 #: the consumer that holds re-issued inbox entries until a live worker claims them once idle
 #: (lua/includes/holder.lua's RESTORED)
 RESTORED = "_restored"
+#: requesters whose shared record keys a Keys keeps (see Keys.record)
+_REQUESTERS_KEPT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,20 +74,24 @@ class Keys:
 
     def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
         self.prefix = prefix
+        #: requester -> (slot, deadline index, response stream): a handoff's record keys are
+        #: built for every call on it, a few times per handoff in a worker
+        self._requesters: dict[str, tuple[str, str, str]] = {}
 
     def slot(self, agent: str) -> str:
         """The key prefix of everything in ``agent``'s hash slot, e.g. ``hb:{billing-1}:``."""
         return f"{self.prefix}:{{{agent}}}:"
 
     def record(self, requester: str, request_id: str) -> RecordKeys:
-        base = self.slot(requester)
-        return RecordKeys(
-            record=f"{base}h:{request_id}",
-            marker=f"{base}p:{request_id}",
-            deadlines=self.deadlines(requester),
-            responses=self.responses(requester),
-            envelope=f"{base}e:{request_id}",
-        )
+        shared = self._requesters.get(requester)
+        if shared is None:
+            if len(self._requesters) >= _REQUESTERS_KEPT:
+                self._requesters.clear()
+            shared = self._requesters[requester] = (
+                self.slot(requester), self.deadlines(requester), self.responses(requester))
+        base, deadlines, responses = shared
+        return RecordKeys(f"{base}h:{request_id}", f"{base}p:{request_id}", deadlines, responses,
+                          f"{base}e:{request_id}")
 
     def staged(self, requester: str, request_id: str, nonce: str) -> str:
         """A large request's envelope on its way in: written by a plain SET beside the

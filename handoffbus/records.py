@@ -14,7 +14,7 @@ from .models import HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatu
 from .names import split_handoff_id
 from .signing import SIGNED_RESPONSE_FIELDS, Keyring, response_body, unsigned_response
 
-__all__ = ["RESPONSE_FIELDS", "Loaded", "loaded_from_row", "made_response", "poison_row", "record_from_hash",
+__all__ = ["RESPONSE_FIELDS", "Loaded", "Made", "loaded_from_row", "made_response", "poison_row", "record_from_hash",
            "response_from_fields", "response_from_reply", "text"]
 
 log = logging.getLogger("handoffbus")
@@ -84,6 +84,21 @@ def _metadata(handoff_id: str, meta: bytes | None, codec: PayloadCodec) -> dict[
 def response_from_reply(handoff_id: str, reply: Sequence[Any], codec: PayloadCodec) -> HandoffResponse:
     """Build a response from a transition script's reply (after its leading code)."""
     return response_from_fields(handoff_id, dict(zip(RESPONSE_FIELDS, reply, strict=False)), codec)
+
+
+class Made(NamedTuple):
+    """A transition the caller has just made, before its response is built: a worker needs
+    only the status (building the response would decode the result it has just encoded)."""
+
+    handoff_id: str
+    status: HandoffStatus
+    actor: str
+    ts: bytes
+    owner: bytes | None
+    fields: Mapping[str, Any]
+
+    def response(self, codec: PayloadCodec) -> HandoffResponse:
+        return made_response(self.handoff_id, self.status.value, self.actor, self.ts, self.owner, self.fields, codec)
 
 
 def made_response(

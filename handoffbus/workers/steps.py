@@ -23,6 +23,7 @@ from ..logs import AgentLog
 from ..models import HandoffRequest, HandoffResponse, HandoffStatus
 from ..names import split_handoff_id
 from ..policies.blobs import has_blobs, restore
+from ..records import Made
 from .agent import Accept, Agent, ReceivedHandoff, Reject
 from .hooks import call_hook, describe, sendable
 from .keeper import Keeper
@@ -150,12 +151,12 @@ class Steps:
             await self.send("complete", hid, {"result": packed, "lease": self.consumer}, created_ms)
         return HandoffStatus.COMPLETED
 
-    async def send(self, name: str, hid: str, fields: dict[str, Any], created_ms: int) -> HandoffResponse:
+    async def send(self, name: str, hid: str, fields: dict[str, Any], created_ms: int) -> HandoffResponse | Made:
         """Send a transition this worker decided on until the server answers it: given up on a
         lost connection, the handoff would be reclaimed and its hooks run again. A repeat under
         the same lease is answered as done."""
         return await self.until_answered(
-            name, hid, lambda: self._client._transition(name, hid, fields, settle=False, created_ms=created_ms))
+            name, hid, lambda: self._client._transit(name, hid, fields, settle=False, created_ms=created_ms))
 
     async def until_answered(self, what: str, hid: str, call: Callable[[], Awaitable[T]]) -> T:
         """``call()`` again, with backoff, while the server cannot be reached (a lost connection,
