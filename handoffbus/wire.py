@@ -17,7 +17,9 @@ from typing import Any
 
 import anyio
 from hiredis import pack_command
+from redis._parsers.hiredis import NOT_ENOUGH_DATA
 from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -242,7 +244,11 @@ async def _send_and_read(
     await conn.send_packed_command(data, check_health=False)
     # the parser itself, when it has one: redis-py's per-reply wrapper (timeouts, host
     # bookkeeping) costs more than the reply; hiredis hands error replies back as values
-    read = getattr(getattr(conn, "_parser", None), "read_response", None) or conn.read_response
+    parser = getattr(conn, "_parser", None)
+    if asking is None and scope is None and _reads_plain(conn, parser):
+        await _read_replies(parser, count, replies, watch)
+        return
+    read = getattr(parser, "read_response", None) or conn.read_response
     for i in range(count):
         if asking is not None and asking[i]:
             with contextlib.suppress(ResponseError):  # the call's own reply says what went wrong
@@ -259,6 +265,36 @@ async def _send_and_read(
             now = asyncio.get_running_loop().time()  # anyio's clock on asyncio, without its lookups
             if scope.deadline - now < reply_wait / 2:
                 scope.deadline = now + reply_wait
+
+
+def _reads_plain(conn: Any, parser: Any) -> bool:
+    """Whether ``conn``'s replies can be taken from its parser's hiredis reader directly."""
+    return getattr(parser, "_reader", None) is not None and hasattr(parser, "_hiredis_PushNotificationType")
+
+
+async def _read_replies(parser: Any, count: int, replies: list[Any], watch: Line | None) -> None:
+    """``count`` replies from the hiredis reader, reading the socket only when it holds no whole
+    reply: what the parser's ``read_response`` does, without a coroutine per reply (most are
+    in the buffer already when the first one is). Error replies come back as values; a RESP3
+    push message (none is asked for on these connections) goes to the parser's handler."""
+    gets, push = parser._reader.gets, parser._hiredis_PushNotificationType
+    got = 0
+    while got < count:
+        reply = gets()
+        while reply is NOT_ENOUGH_DATA:
+            if not parser._connected:  # disconnected meanwhile (the watcher cut it): as read_response
+                raise RedisConnectionError("Connection closed by server.")
+            await parser.read_from_socket()
+            reply = gets()
+        if isinstance(reply, RedisConnectionError):
+            raise reply
+        if push is not None and isinstance(reply, push):
+            await parser.handle_push_response(reply)
+            continue
+        replies.append(reply)
+        got += 1
+        if watch is not None:
+            watch.read += 1
 
 
 #: seconds one server may take to answer a batch of calls before they fail as on a lost

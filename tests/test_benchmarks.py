@@ -107,3 +107,16 @@ def test_the_script_costs_count_server_instructions_under_callgrind(tmp_path: Pa
     # a transition (checks, history, response, indexes) runs more than the read that precedes it
     assert phases["accept"]["instructions_per_call"] > phases["load"]["instructions_per_call"] > 10_000
     assert phases["complete"]["instructions_per_handoff"] >= phases["complete"]["instructions_per_call"] > 10_000
+
+
+def test_the_client_costs_count_python_instructions_per_handoff(tmp_path: Path) -> None:
+    if shutil.which("valgrind") is None:
+        done = subprocess.run([sys.executable, "benchmarks/client_costs.py"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 2 and "needs valgrind" in done.stderr  # refused, saying why
+        return
+    result = run_script("client_costs.py", tmp_path / "client.json", "--n", "200")
+    counts = result["instructions"]
+    assert counts["with_n"] > counts["warmup_only"] > 0
+    # a handoff's request, decision, work and outcome in Python: far more than a bare round trip
+    assert counts["per_handoff"] == round((counts["with_n"] - counts["warmup_only"]) / 200) > 100_000

@@ -641,7 +641,7 @@ async def test_what_a_hook_returns_that_cannot_be_sent_ends_the_handoff(real_bus
 def _complete_raises(worker: Worker, error: Exception, times: int | None = None) -> list[str]:
     """Make the worker's ``complete`` calls raise ``error`` (the first ``times``, or all);
     returns the list of those that did."""
-    transition = worker._steps._client._transition
+    transition = worker._steps._client._transit
     raised: list[str] = []
 
     async def complete(name: str, *args: Any, **kwargs: Any) -> Any:
@@ -650,5 +650,5 @@ def _complete_raises(worker: Worker, error: Exception, times: int | None = None)
             raise error
         return await transition(name, *args, **kwargs)
 
-    worker._steps._client._transition = complete  # type: ignore[method-assign]
+    worker._steps._client._transit = complete  # type: ignore[method-assign]
     return raised

@@ -4,6 +4,7 @@ what a hook raised described for the handoff's record."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -45,11 +46,25 @@ class HookCancelled(HandoffbusError):
     its owner cancelled): a failure of the hook, not a stop of the worker."""
 
 
+@functools.lru_cache(maxsize=1024)
+def _cached_is_async(hook: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(hook)
+
+
+def _is_async(hook: Callable[..., Any]) -> bool:
+    """``inspect.iscoroutinefunction``, remembered per function: a worker asks it twice for every
+    handoff, of the same few hooks (a bound method is asked of its function)."""
+    try:
+        return _cached_is_async(hook)
+    except TypeError:  # an unhashable callable object
+        return inspect.iscoroutinefunction(hook)
+
+
 async def call_hook(hook: Callable[..., Any], arg: Any) -> Any:
     """Await an async hook; run a plain one in a worker thread so it cannot block the loop,
     unless it is marked inline."""
     try:
-        if inspect.iscoroutinefunction(hook):
+        if _is_async(getattr(hook, "__func__", hook)):
             return await hook(arg)
         if is_inline(hook):
             result = hook(arg)
