@@ -41,6 +41,7 @@ from .models import HandoffRequest, WorkerInfo
 from .names import check_name, check_names, split_handoff_id
 from .records import text
 from .routing import Directory, Reroute, granted, serves, set_id
+from .wire import Line, entry_fields, stream_entries
 
 if TYPE_CHECKING:
     from .bus import HandoffBus
@@ -80,10 +81,22 @@ class Outbox:
         last = await self._bus.redis.xrevrange(self._replies, count=1)
         self._cursor = last[0][0] if last else "0-0"
         task_status.started()
+        line = self._bus.blocking_line()  # watched: a server that stops answering fails the read
+        try:
+            await self._read(line)
+        finally:
+            if line is not None:
+                await line.close()
+
+    async def _read(self, line: Line | None) -> None:
         backoff = Backoff()
         while True:
             try:
-                found = await self._bus.blocking_redis.xread({self._replies: self._cursor}, block=1000, count=100)
+                if line is not None:
+                    found = await line.command("XREAD", "COUNT", 100, "BLOCK", 1000, "STREAMS", self._replies,
+                                               self._cursor, blocks=1.0)
+                else:  # a cluster, fakeredis
+                    found = await self._bus.blocking_redis.xread({self._replies: self._cursor}, block=1000, count=100)
             except (RedisError, OSError) as exc:
                 log.warning("%s: reading forwarder replies failed (%s)", self.agent, exc)
                 await anyio.sleep(backoff.delay())
@@ -91,9 +104,10 @@ class Outbox:
             backoff.reset()
             # every process of the agent reads the whole stream and takes its own replies (so
             # none deletes what it read); the forwarder caps the stream's length
-            for _, entries in found:
-                for entry_id, fields in entries:
+            for _, entries in stream_entries(found):
+                for entry_id, raw in entries:
                     self._cursor = entry_id
+                    fields = entry_fields(raw)
                     waiting = self._waiting.pop(text(fields.get(b"rid", b"")), None)
                     if waiting is not None:
                         waiting[1].append(fields[b"replies"])
@@ -210,20 +224,34 @@ class Forwarder:
                 raise
         await bus.redis.sadd(bus.keys.agents, agent)  # what a shared worker does for itself
         task_status.started()
+        line = bus.blocking_line()  # watched: a server that stops answering fails the read
+        try:
+            await self._serve_from(agent, stream, line)
+        finally:
+            if line is not None:
+                await line.close()
+
+    async def _serve_from(self, agent: str, stream: str, line: Line | None) -> None:
+        bus = self._bus
         cursor = "0"  # first what a previous forwarder took and did not acknowledge, then new entries
         backoff = Backoff()
         while True:
             try:
-                found = await bus.blocking_redis.xreadgroup(GROUP, "forwarder", {stream: cursor}, count=100,
-                                                   block=None if cursor == "0" else 1000)
-                entries = found[0][1] if found else []
+                if line is not None:
+                    block = () if cursor == "0" else ("BLOCK", 1000)
+                    found = await line.command("XREADGROUP", "GROUP", GROUP, "forwarder", "COUNT", 100, *block,
+                                               "STREAMS", stream, cursor, blocks=1.0 if block else 0.0)
+                else:  # a cluster, fakeredis
+                    found = await bus.blocking_redis.xreadgroup(GROUP, "forwarder", {stream: cursor}, count=100,
+                                                                block=None if cursor == "0" else 1000)
+                entries: list[Any] = next(iter(stream_entries(found)), (None, []))[1]
                 if cursor == "0" and not entries:
                     cursor = ">"
                     continue
                 lost: list[BaseException] = []  # entries left unanswered for a lost connection
                 async with anyio.create_task_group() as batch:  # an agent's calls are independent
                     for entry_id, fields in entries:
-                        batch.start_soon(self._answer, agent, entry_id, fields, lost)
+                        batch.start_soon(self._answer, agent, entry_id, entry_fields(fields), lost)
                 if lost:
                     raise lost[0]
             except (RedisError, OSError) as exc:

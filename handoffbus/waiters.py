@@ -22,7 +22,7 @@ from .backoff import Backoff
 from .errors import HandoffbusError, HandoffNotFound
 from .models import DECISIONS, TERMINAL, HandoffRecord, HandoffResponse, HandoffStatus
 from .records import response_from_fields
-from .wire import Line
+from .wire import Line, entry_fields, stream_entries
 
 if TYPE_CHECKING:
     from .bus import HandoffBus
@@ -284,7 +284,7 @@ class ResponseReader:
                 self._bus.drop_reader(self._agent, self)
                 return
             trimmed = False
-            for _stream, entries in reply.items() if isinstance(reply, dict) else reply or ():  # RESP3: a map
+            for _stream, entries in stream_entries(reply):
                 # each XADD trims the stream below its time less the retention: one that far past
                 # the cursor may have trimmed entries this reader had yet to read (it lagged). A
                 # cursor of 0 is a stream that was empty when reading began: nothing read yet
@@ -294,9 +294,7 @@ class ResponseReader:
                 for entry_id, fields in entries:
                     self._cursor = entry_id
                     try:
-                        if not isinstance(fields, dict):
-                            fields = dict(zip(fields[::2], fields[1::2], strict=True))
-                        self._dispatch(fields, entry_id)
+                        self._dispatch(entry_fields(fields), entry_id)
                     except Exception:
                         log.exception("undecodable response %r on %s", entry_id, self._stream)
             if trimmed:  # what was trimmed is on the records

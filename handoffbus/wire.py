@@ -26,8 +26,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from .errors import EncodeError
 from .scripts import Script
 
-__all__ = ["Group", "Line", "ScriptCall", "exchange", "guard_key", "no_script", "pack_call", "pack_fcall",
-           "refuses_writes", "unsendable", "with_unsendable"]
+__all__ = ["Group", "Line", "ScriptCall", "entry_fields", "exchange", "guard_key", "no_script", "pack_call",
+           "pack_fcall", "refuses_writes", "stream_entries", "unsendable", "with_unsendable"]
 
 _ASKING = b"*1\r\n$6\r\nASKING\r\n"
 
@@ -306,6 +306,20 @@ REPLY_WAIT = 10.0
 #: ``n / SLOWEST_LINK`` seconds to the wait for its first reply (most of a large write sits
 #: in socket buffers when the send returns, so the reply's wait covers its way to the server)
 SLOWEST_LINK = 64 * 1024
+
+
+def stream_entries(reply: Any) -> Any:
+    """The (stream, entries) pairs of an XREAD or XREADGROUP reply, as redis-py or
+    ``Line.command`` gives it: a list, a map (RESP3), or nil when the block ran out."""
+    return reply.items() if isinstance(reply, dict) else reply or ()
+
+
+def entry_fields(fields: Any) -> dict[Any, Any]:
+    """A stream entry's fields as a dict (``Line.command`` leaves them a flat list; an entry
+    deleted while still pending in a group has none)."""
+    if isinstance(fields, dict):
+        return fields
+    return {} if fields is None else dict(zip(fields[::2], fields[1::2], strict=True))
 
 
 class Watcher:

@@ -134,3 +134,15 @@ def first_call_fails(
         return await call(*args, **kwargs)
 
     return wrapped, failed
+
+
+async def blocked_clients(admin: Any, count: int, command: str | None = None) -> list[int]:
+    """Ids of clients blocked in a command (``command``, lower case, if given), once there are
+    ``count`` of them."""
+    with anyio.fail_after(10):
+        while True:
+            clients = await admin.client_list()
+            blocked = [int(c["id"]) for c in clients if "b" in c["flags"] and command in (None, c["cmd"])]
+            if len(blocked) >= count:
+                return blocked
+            await anyio.sleep(0.01)  # polling the server's client list: it has no change event

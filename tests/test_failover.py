@@ -24,7 +24,7 @@ from handoffbus.models import WorkerInfo
 
 from .agents import Echo
 from .conftest import SERVER_BINARIES, start_cluster, start_server
-from .helpers import req
+from .helpers import blocked_clients, req
 
 pytestmark = pytest.mark.anyio
 
@@ -71,17 +71,6 @@ def unused_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-async def blocked_clients(admin: aioredis.Redis, count: int) -> list[int]:
-    """Ids of clients blocked in a command, once there are ``count`` of them."""
-    with anyio.fail_after(10):
-        while True:
-            clients = await admin.client_list()
-            blocked = [int(c["id"]) for c in clients if "b" in c["flags"]]
-            if len(blocked) >= count:
-                return blocked
-            await anyio.sleep(0.01)  # polling the server's client list: it has no change event
 
 
 async def handled(client: HandoffClient, reason: str) -> HandoffResponse:

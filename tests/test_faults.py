@@ -15,6 +15,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+import redis.asyncio as aioredis
 from anyio.abc import TaskGroup
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -29,13 +30,14 @@ from handoffbus import (
     Worker,
     wire,
 )
+from handoffbus.forwarding import Forwarder
 from handoffbus.keys import GROUP
 from handoffbus.workers.inbox import Inbox
 
 from .agents import Echo, SlowEcho
 from .conftest import SERVER_BINARIES, make_bus, start_server
 from .faultproxy import FaultProxy
-from .helpers import ROOT, req, response_statuses
+from .helpers import ROOT, blocked_clients, req, response_statuses
 
 pytestmark = pytest.mark.anyio
 S = HandoffStatus
@@ -424,3 +426,48 @@ async def test_accept_racing_expiry_has_exactly_one_winner(real_backend: str, se
         assert status == ("ACCEPTED" if won else "EXPIRED")
         assert decisions[handle.handoff_id] == [status]  # one decision, announced once
     assert wins[True] > 0 and wins[False] > 0  # both sides of the race were exercised
+
+
+@pytest.mark.parametrize("side", ["agent", "forwarder"])
+async def test_isolated_reads_on_a_server_that_stopped_answering_fail_and_recover(
+    own_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch, side: str
+) -> None:
+    """An isolated agent waits for the forwarder's replies, and the forwarder for the agent's
+    calls, each in an XREAD BLOCK of its own. Past a server that stopped answering (frozen, or
+    cut off where no reset reaches the client) both held for ever without a socket timeout:
+    the agent never heard a forwarded reply again, the forwarder never served that agent
+    again. Each read now fails past its block, and works again on a new connection."""
+    monkeypatch.setattr(wire, "REPLY_WAIT", 0.5)
+    # blocked, once the first request is in: the agent's reply reader and response reader, or
+    # the forwarder's read of the agent's outbox
+    words, command, blocked = (("req: reading forwarder replies failed", "xread", 2) if side == "agent"
+                               else ("forwarder: serving req failed", "xreadgroup", 1))
+    heard = _Heard(words)
+    logging.getLogger("handoffbus").addHandler(heard)
+    admin = aioredis.Redis.from_url(own_server.url)
+    try:
+        async with anyio.create_task_group() as tg:
+            proxy = FaultProxy(own_server.port)
+            await tg.start(proxy.serve)
+            agent_url, forwarder_url = (proxy.url, own_server.url) if side == "agent" else (own_server.url, proxy.url)
+            prefix = f"silent{side}"
+            async with HandoffBus.connect(forwarder_url, prefix=prefix, sweep_interval=3600) as trusted, \
+                    HandoffBus.connect(agent_url, prefix=prefix, sweep_interval=3600, isolated="req") as bus, \
+                    anyio.create_task_group() as serving:
+                await serving.start(Forwarder(trusted, ["req"]).run)
+                client = bus.client("req")
+                await client.request_handoff(req("req", "echo-1"))  # its queue step goes by the forwarder
+                await blocked_clients(admin, blocked, command)
+                proxy.blackhole()  # connections stay open; nothing comes back
+                with anyio.fail_after(5):
+                    await heard.event.wait()
+                proxy.restore()
+                with anyio.fail_after(20):
+                    handle = await client.request_handoff(req("req", "echo-1", reason="after"))
+                queued = await trusted.redis.zrange(trusted.keys.target("echo-1").queue, 0, -1)
+                serving.cancel_scope.cancel()
+            tg.cancel_scope.cancel()
+    finally:
+        logging.getLogger("handoffbus").removeHandler(heard)
+        await admin.aclose()
+    assert handle.handoff_id.encode() in queued  # forwarded again: the read that failed was made anew
