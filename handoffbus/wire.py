@@ -288,6 +288,8 @@ async def _read_replies(parser: Any, count: int, replies: list[Any], watch: Line
             reply = gets()
         if isinstance(reply, RedisConnectionError):
             raise reply
+        if isinstance(reply, list) and reply and isinstance(reply[0], RedisConnectionError):
+            raise reply[0]  # as read_response does (e.g. an array led by a LOADING error)
         if push is not None and isinstance(reply, push):
             await parser.handle_push_response(reply)
             continue

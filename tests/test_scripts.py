@@ -6,15 +6,17 @@ import re
 from typing import Any
 
 import anyio
+import hiredis
 import pytest
 import redis.asyncio as aioredis
 from hypothesis import given
 from hypothesis import strategies as st
 from redis._parsers.encoders import Encoder
+from redis._parsers.hiredis import NOT_ENOUGH_DATA, _AsyncHiredisParser
 from redis.connection import PythonRespSerializer
 from redis.crc import key_slot
+from redis.exceptions import BusyLoadingError, InvalidResponse, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 
 from handoffbus import EncodeError, HandoffBus, HandoffHandle, HandoffStatus, ScriptsFlushed, wire
 from handoffbus.scripts import SCRIPT_NAMES, Scripts, _files, key_count, script_flags, script_source
@@ -461,3 +463,22 @@ async def test_a_transitions_whole_reply_is_read_as_well(bus: HandoffBus, monkey
     accepted = await b.accept_handoff(handle.handoff_id, metadata={"m": 1})
     assert accepted == (await a.get_handoff_status(handle.handoff_id)).response
     assert accepted.accepting_agent == "b" and accepted.metadata == {"m": 1} and accepted.timestamp_ms > 0
+
+
+async def test_replies_read_from_the_reader_raise_what_read_response_raises() -> None:
+    """Replies of a batch are taken from hiredis' reader directly, not one ``read_response``
+    coroutine each; they must come out as they did: error replies as values, a connection
+    error (LOADING), alone or leading an array, raised."""
+    parser = _AsyncHiredisParser(65536)
+    parser._reader = hiredis.Reader(protocolError=InvalidResponse, replyError=parser.parse_error,
+                                    notEnoughData=NOT_ENOUGH_DATA)
+    parser._connected = True
+    parser._hiredis_PushNotificationType = getattr(hiredis, "PushNotification", None)
+    replies: list[Any] = []
+    parser._reader.feed(b":1\r\n-ERR Function not found\r\n*2\r\n:2\r\n$1\r\nx\r\n")
+    await wire._read_replies(parser, 3, replies, None)
+    assert replies[0] == 1 and isinstance(replies[1], ResponseError) and replies[2] == [2, b"x"]
+    for data in (b"-LOADING Redis is loading\r\n", b"*2\r\n-LOADING Redis is loading\r\n:5\r\n"):
+        parser._reader.feed(data)
+        with pytest.raises(BusyLoadingError):
+            await wire._read_replies(parser, 1, [], None)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import gc
 import threading
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -20,6 +23,7 @@ from handoffbus import (
 from handoffbus.workers import Accept, Agent, AgentState, Reject, Worker
 from handoffbus.workers import inline as mark_inline
 from handoffbus.workers.agent import is_inline
+from handoffbus.workers.hooks import call_hook
 
 from .agents import Echo, Faulty, Gated, InlineEcho, SyncEcho
 from .helpers import req, response_statuses, serve_until_done
@@ -210,3 +214,41 @@ def test_an_agent_must_implement_its_work() -> None:
 
     with pytest.raises(NotImplementedError):
         Lazy().on_handoff_received(None)  # type: ignore[arg-type]
+
+
+async def test_a_hooks_kind_is_read_from_methods_only_and_keeps_nothing_alive() -> None:
+    """Whether a hook is async is remembered per function, for speed; only a bound method is
+    read through its ``__func__``, and nothing a hook holds is kept alive by the memory."""
+    async def work(state: object, x: int) -> tuple[str, int]:
+        return "async", x
+
+    class SyncAdapter:  # a plain callable that happens to carry an async function
+        def __init__(self) -> None:
+            self.__func__ = work
+
+        def __call__(self, x: int) -> tuple[str, int]:
+            return "sync", x
+
+    assert await call_hook(SyncAdapter(), 1) == ("sync", 1)  # a plain call, in a thread: not awaited
+
+    class State:
+        pass
+
+    state = State()
+    alive = weakref.ref(state)
+    assert await call_hook(functools.partial(work, state), 2) == ("async", 2)
+
+    def make() -> Callable[[int], Awaitable[tuple[str, int]]]:
+        held = State()
+
+        async def closure(x: int) -> tuple[str, int]:
+            return type(held).__name__, x
+
+        return closure
+
+    hook = make()
+    gone = weakref.ref(hook)
+    assert await call_hook(hook, 3) == ("State", 3) and await call_hook(hook, 4) == ("State", 4)
+    del state, hook
+    gc.collect()
+    assert alive() is None and gone() is None

@@ -4,8 +4,9 @@ what a hook raised described for the handoff's record."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
+import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -46,25 +47,28 @@ class HookCancelled(HandoffbusError):
     its owner cancelled): a failure of the hook, not a stop of the worker."""
 
 
-@functools.lru_cache(maxsize=1024)
-def _cached_is_async(hook: Callable[..., Any]) -> bool:
-    return inspect.iscoroutinefunction(hook)
+#: function -> whether it is async; weak, so that a hook made on the fly and dropped goes
+_ASYNC: weakref.WeakKeyDictionary[Callable[..., Any], bool] = weakref.WeakKeyDictionary()
 
 
 def _is_async(hook: Callable[..., Any]) -> bool:
-    """``inspect.iscoroutinefunction``, remembered per function: a worker asks it twice for every
-    handoff, of the same few hooks (a bound method is asked of its function)."""
-    try:
-        return _cached_is_async(hook)
-    except TypeError:  # an unhashable callable object
+    """``inspect.iscoroutinefunction``, remembered for plain functions and the functions of
+    bound methods: a worker asks it twice for every handoff, of the same few hooks. Anything
+    else (a partial, a callable object) is asked each time."""
+    func = hook.__func__ if isinstance(hook, types.MethodType) else hook
+    if type(func) is not types.FunctionType:
         return inspect.iscoroutinefunction(hook)
+    known = _ASYNC.get(func)
+    if known is None:
+        known = _ASYNC[func] = inspect.iscoroutinefunction(func)
+    return known
 
 
 async def call_hook(hook: Callable[..., Any], arg: Any) -> Any:
     """Await an async hook; run a plain one in a worker thread so it cannot block the loop,
     unless it is marked inline."""
     try:
-        if _is_async(getattr(hook, "__func__", hook)):
+        if _is_async(hook):
             return await hook(arg)
         if is_inline(hook):
             result = hook(arg)
