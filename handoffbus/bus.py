@@ -261,6 +261,17 @@ class HandoffBus:
             return None
         return Line(self._lines, None if self._batcher is None else self._batcher.watcher)
 
+    async def reading(self, read: Callable[[Line | None], Awaitable[None]]) -> None:
+        """Run ``read``, a reader that blocks, with a line of its own (``blocking_line``; a
+        watched one, so that a server that stops answering fails its reads), given back when it
+        ends."""
+        line = self.blocking_line()
+        try:
+            await read(line)
+        finally:
+            if line is not None:
+                await line.close()
+
     async def _close_blocking(self) -> None:
         blocking, self._blocking = self._blocking, None
         if blocking is not None:

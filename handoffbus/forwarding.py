@@ -23,6 +23,7 @@ changes nothing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 import uuid
@@ -81,12 +82,7 @@ class Outbox:
         last = await self._bus.redis.xrevrange(self._replies, count=1)
         self._cursor = last[0][0] if last else "0-0"
         task_status.started()
-        line = self._bus.blocking_line()  # watched: a server that stops answering fails the read
-        try:
-            await self._read(line)
-        finally:
-            if line is not None:
-                await line.close()
+        await self._bus.reading(self._read)
 
     async def _read(self, line: Line | None) -> None:
         backoff = Backoff()
@@ -224,12 +220,7 @@ class Forwarder:
                 raise
         await bus.redis.sadd(bus.keys.agents, agent)  # what a shared worker does for itself
         task_status.started()
-        line = bus.blocking_line()  # watched: a server that stops answering fails the read
-        try:
-            await self._serve_from(agent, stream, line)
-        finally:
-            if line is not None:
-                await line.close()
+        await bus.reading(functools.partial(self._serve_from, agent, stream))
 
     async def _serve_from(self, agent: str, stream: str, line: Line | None) -> None:
         bus = self._bus

@@ -247,12 +247,7 @@ class ResponseReader:
                 log.exception("response reader for %s: cannot read %s", self._agent, waiter.handoff_id)
 
     async def _run(self) -> None:
-        line = self._bus.blocking_line()
-        try:
-            await self._read(line)
-        finally:
-            if line is not None:
-                await line.close()
+        await self._bus.reading(self._read)
 
     async def _read(self, line: Line | None) -> None:
         redis = self._bus.blocking_redis
