@@ -245,7 +245,7 @@ async def _send_and_read(
     # the parser itself, when it has one: redis-py's per-reply wrapper (timeouts, host
     # bookkeeping) costs more than the reply; hiredis hands error replies back as values
     parser = getattr(conn, "_parser", None)
-    if asking is None and scope is None and _reads_plain(conn, parser):
+    if asking is None and scope is None and _reads_plain(parser):
         await _read_replies(parser, count, replies, watch)
         return
     read = getattr(parser, "read_response", None) or conn.read_response
@@ -267,8 +267,8 @@ async def _send_and_read(
                 scope.deadline = now + reply_wait
 
 
-def _reads_plain(conn: Any, parser: Any) -> bool:
-    """Whether ``conn``'s replies can be taken from its parser's hiredis reader directly."""
+def _reads_plain(parser: Any) -> bool:
+    """Whether replies can be taken from the parser's hiredis reader directly."""
     return getattr(parser, "_reader", None) is not None and hasattr(parser, "_hiredis_PushNotificationType")
 
 
