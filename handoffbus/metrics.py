@@ -23,9 +23,10 @@ the directory when the group starts.
 from __future__ import annotations
 
 import atexit
+import glob
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -167,6 +168,29 @@ class Metrics:
             await anyio.sleep(interval)  # a timer
 
 
+class WholeFiles:
+    """prometheus_client's multiprocess collector, leaving out a value file still being made.
+    prometheus_client creates each file empty and sizes it afterwards; a scrape that read one
+    in between (made by another process, or by this one's loop while the HTTP thread scrapes)
+    failed whole, with a 500 (prometheus/client_python#1199)."""
+
+    def __init__(self, path: str, merge: Callable[..., Any]) -> None:
+        self._path = path
+        self._merge = merge
+
+    def collect(self) -> Any:
+        files = [f for f in glob.glob(os.path.join(self._path, "*.db")) if _begun(f)]
+        return self._merge(files, accumulate=True)
+
+
+def _begun(path: str) -> bool:
+    """Whether a value file holds at least its header (the used size, padded to 8 bytes)."""
+    try:
+        return os.path.getsize(path) >= 8
+    except OSError:  # gone since the listing (a dead process's live gauges)
+        return False
+
+
 def serve_metrics(port: int, address: str = "0.0.0.0") -> Any:
     """Serve the metrics over HTTP (a daemon thread); in multiprocess mode, the merged view of
     every process writing to ``PROMETHEUS_MULTIPROC_DIR`` (so scrape one process of the group,
@@ -178,7 +202,7 @@ def serve_metrics(port: int, address: str = "0.0.0.0") -> Any:
         from prometheus_client import multiprocess
 
         registry = p.CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        registry.register(WholeFiles(os.environ["PROMETHEUS_MULTIPROC_DIR"], multiprocess.MultiProcessCollector.merge))
         p.start_http_server(port, addr=address, registry=registry)
         return p.REGISTRY  # each process writes its own files; the collector merges them
     registry = p.CollectorRegistry()

@@ -4,17 +4,20 @@
 from __future__ import annotations
 
 import socket
+import struct
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from handoffbus import HandoffBus
-from handoffbus.metrics import Metrics
+from handoffbus.metrics import Metrics, WholeFiles
 
 from .agents import Echo, Faulty
 from .conftest import make_bus
@@ -134,3 +137,18 @@ async def test_the_exporter_sees_agents_without_live_workers(servers: dict) -> N
     assert scraped[("handoffbus_queue_depth", orphan)] == 1
     assert scraped[("handoffbus_live_workers", orphan)] == 0
     assert scraped[("handoffbus_oldest_waiting_age_seconds", orphan)] > 0
+
+
+def test_a_multiprocess_scrape_leaves_out_a_value_file_still_being_made(tmp_path: Path) -> None:
+    """prometheus_client makes each multiprocess value file empty and sizes it afterwards: a
+    scrape that read one in between (another process's, or this one's loop while the HTTP
+    thread scrapes) failed whole, a 500 for every metric of every process."""
+    done = MmapedDict(str(tmp_path / "counter_1.db"))
+    done.write_value(mmap_key("handoffbus_x_total", "handoffbus_x_total", ["agent"], ["a"], "x"), 3.0, 0.0)
+    done.close()
+    (tmp_path / "counter_2.db").touch()  # being made: empty yet
+    with pytest.raises(struct.error):  # what the collector prometheus_client ships does with it
+        MultiProcessCollector.merge([str(f) for f in tmp_path.glob("*.db")], accumulate=True)
+    registry = CollectorRegistry()
+    registry.register(WholeFiles(str(tmp_path), MultiProcessCollector.merge))
+    assert 'handoffbus_x_total{agent="a"} 3.0' in generate_latest(registry).decode()
