@@ -357,12 +357,11 @@ class HandoffBus:
         if self._batcher is None:
             raise HandoffbusError("the bus is not open: use 'async with bus'")
         batcher = self._batcher
-        if self._outbox is not None:
-            async def run(batch: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
-                return await batcher.call_many([(self.scripts[n], k, a) for n, k, a in batch])
 
-            return self._outbox.call_many(calls, run)
-        return batcher.call_many([(self.scripts[n], k, a) for n, k, a in calls])
+        def run(batch: list[tuple[str, list[str], list[Any]]]) -> Awaitable[list[Any]]:
+            return batcher.call_many([(self.scripts[n], k, a) for n, k, a in batch])
+
+        return run(calls) if self._outbox is None else self._outbox.call_many(calls, run)
 
     def forwarded(self, keys: Sequence[str]) -> bool:
         """Whether a call on ``keys`` goes through the forwarder (an isolated agent's, outside

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import types
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -47,28 +45,11 @@ class HookCancelled(HandoffbusError):
     its owner cancelled): a failure of the hook, not a stop of the worker."""
 
 
-#: function -> whether it is async; weak, so that a hook made on the fly and dropped goes
-_ASYNC: weakref.WeakKeyDictionary[Callable[..., Any], bool] = weakref.WeakKeyDictionary()
-
-
-def _is_async(hook: Callable[..., Any]) -> bool:
-    """``inspect.iscoroutinefunction``, remembered for plain functions and the functions of
-    bound methods: a worker asks it twice for every handoff, of the same few hooks. Anything
-    else (a partial, a callable object) is asked each time."""
-    func = hook.__func__ if isinstance(hook, types.MethodType) else hook
-    if type(func) is not types.FunctionType:
-        return inspect.iscoroutinefunction(hook)
-    known = _ASYNC.get(func)
-    if known is None:
-        known = _ASYNC[func] = inspect.iscoroutinefunction(func)
-    return known
-
-
 async def call_hook(hook: Callable[..., Any], arg: Any) -> Any:
     """Await an async hook; run a plain one in a worker thread so it cannot block the loop,
     unless it is marked inline."""
     try:
-        if _is_async(hook):
+        if inspect.iscoroutinefunction(hook):
             return await hook(arg)
         if is_inline(hook):
             result = hook(arg)
