@@ -262,12 +262,16 @@ class Forwarder:
         an entry holds, it is answered: one bad entry never stops the forwarder. An entry the
         server could not be reached for is noted in ``lost``, and read again once it can.
         Shielded (and bounded): a forwarder stopping between running the calls and replying
-        would leave the agent waiting out its timeout for calls that were made."""
-        with anyio.move_on_after(ANSWER_WAIT, shield=True):
+        would leave the agent waiting out its timeout for calls that were made. An entry not
+        answered in that time counts as lost too: left in the group's pending list, it would be
+        read again only after the next failure or restart."""
+        with anyio.move_on_after(ANSWER_WAIT, shield=True) as bound:
             try:
                 await self._answer_now(agent, entry_id, fields)
             except LOST_CONNECTION as exc:
                 lost.append(exc)
+        if bound.cancelled_caught:
+            lost.append(TimeoutError(f"an entry from {agent} was not answered within {ANSWER_WAIT:g}s"))
 
     async def _answer_now(self, agent: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         bus = self._bus

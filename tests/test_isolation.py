@@ -34,6 +34,7 @@ from handoffbus import (
     SigningKey,
     TooManyPending,
     Worker,
+    forwarding,
     serialize_context,
 )
 from handoffbus.acl import AclUser, agent_user, forwarder_user
@@ -491,6 +492,33 @@ async def test_a_stopping_forwarder_still_answers_the_entry_it_started_on(real_b
             tg.cancel_scope.cancel()
         replies = await trusted.redis.xrange(trusted.keys.replies("mallory"), "-", "+")
         assert len(replies) == before + 1 and replies[-1][1][b"rid"] == b"stop-test"
+
+
+async def test_an_entry_not_answered_in_time_is_read_again_without_a_restart(
+    real_backend: str, servers: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the bound on an answer ran out and the entry stayed in the group's pending list with
+    # nothing to say so: it was answered only after the next failure or a restart
+    monkeypatch.setattr(forwarding, "ANSWER_WAIT", 0.2)
+    async with isolated(real_backend, servers) as setup:
+        forwarder, mallory = setup.forwarder, setup.buses["mallory"]
+        handle = forwarder._handle
+        first_cut_off = anyio.Event()
+
+        async def stuck_once(sender: str, fields: dict[bytes, bytes]) -> bytes:
+            if fields.get(b"rid") == b"slow" and not first_cut_off.is_set():
+                try:
+                    await anyio.sleep_forever()  # a call that never comes back
+                finally:
+                    first_cut_off.set()
+            return await handle(sender, fields)
+
+        forwarder._handle = stuck_once  # type: ignore[method-assign]
+        keys = mallory.keys.record("mallory", "x")
+        calls = msgspec.msgpack.encode([("load", [keys.record, keys.envelope], [])])
+        await mallory.redis.xadd(mallory.keys.outbox("mallory"), {"rid": "slow", "calls": calls})
+        await _outbox_answered(mallory, "mallory", "slow")
+        assert first_cut_off.is_set()  # answered by the second reading, not the first
 
 
 async def test_an_isolated_agents_deferral_is_settled_before_it_is_routed_on(
