@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from . import tracing
-from .config import MAX_PRIORITY
+from .config import MAX_PRIORITY, MAX_SECONDS
 from .errors import EncodeError, InvalidRequest, NotPermitted
 from .models import HandoffRequest
 from .names import check_name, check_names
@@ -25,6 +25,11 @@ _canonical = msgspec.msgpack.Encoder(order="sorted")
 MIN_TIMEOUT = 0.001
 
 
+#: the longest a refusal may defer an agent (as long as any setting's seconds): the deferral is
+#: stored as a time in ms, which must stay a whole number the scripts can format
+MAX_RETRY_MS = int(MAX_SECONDS * 1000)
+
+
 def rejection_fields(
     reason: object, code: object, retry_after_ms: object, redirect_to: object
 ) -> dict[str, Any]:
@@ -35,8 +40,8 @@ def rejection_fields(
         check_name(code, "rejection code")
     if redirect_to is not None:
         check_name(redirect_to, "agent id")
-    if retry_after_ms is not None and (type(retry_after_ms) is not int or retry_after_ms < 0):
-        raise InvalidRequest("retry_after_ms must be a non-negative int")
+    if retry_after_ms is not None and (type(retry_after_ms) is not int or not 0 <= retry_after_ms <= MAX_RETRY_MS):
+        raise InvalidRequest(f"retry_after_ms must be an int from 0 to {MAX_RETRY_MS}")
     return {"reason": reason, "code": code, "retry": retry_after_ms, "redirect": redirect_to}
 
 

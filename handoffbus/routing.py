@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from . import errors
 from .config import MAX_PRIORITY
@@ -404,7 +404,34 @@ class Router:
                 raise reply
         for i, index in final:
             results[i] = self.response(items[i].handoff_id, replies[index])
+        rejected = {items[i].handoff_id for i, _ in final if results[i] is not None}
+        queued = {call[2][0] for call in calls if call[0] == "route"}
+        await self._drop_ended([item for item in items if item.handoff_id in rejected | queued], rejected)
         return results
+
+    async def _drop_ended(self, items: list[Reroute], rejected: set[str]) -> None:
+        """Take out of their sets' queues the handoffs made REJECTED here (``rejected``: an
+        earlier routing may have queued them) and those just queued whose records ended
+        meanwhile: the route script cannot see the record (another slot), and a cancel between
+        a refusal and its routing on dropped the set's entry before this wrote it. A record that
+        ends after this read drops the entry itself. Where nothing can be read, a pull from the
+        set drops the entry."""
+        bus = self._bus
+        if not items or bus.isolated is not None:  # (an isolated agent cannot reach a set's slot)
+            return
+        ended = set(rejected)
+        unsure = [item.handoff_id for item in items if item.handoff_id not in rejected]
+        if unsure:
+            try:
+                async with bus.redis.pipeline(transaction=False) as pipe:
+                    for hid in unsure:
+                        pipe.hget(bus.keys.record(*split_handoff_id(hid)).record, "status")
+                    statuses = await pipe.execute()
+            except (RedisError, RedisClusterException, OSError) as exc:
+                log.warning("routing: could not read whether %d handoffs ended meanwhile: %s", len(unsure), exc)
+                statuses = [b"PENDING"] * len(unsure)
+            ended |= {hid for hid, status in zip(unsure, statuses, strict=True) if status != b"PENDING"}
+        await bus.drop_routes([(item.caps, item.handoff_id) for item in items if item.handoff_id in ended])
 
     def _route_again(self, item: Reroute) -> Call:
         return self.route_call(item.caps, item.handoff_id, item.priority, item.deadline_ms,

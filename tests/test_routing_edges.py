@@ -14,16 +14,16 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 
-from handoffbus import HandoffBus, HandoffExpired, HandoffRequest, HandoffStatus
+from handoffbus import HandoffBus, HandoffExpired, HandoffRequest, HandoffStatus, InvalidRequest
 from handoffbus.client import HandoffClient
 from handoffbus.keys import GROUP
-from handoffbus.routing import Reroute, set_id
+from handoffbus.routing import Reroute, deferred_until, set_id
 from handoffbus.workers import Accept, AgentState, Reject, Worker
 from handoffbus.workers.inbox import Inbox
 from handoffbus.workers.routes import SCAN, RouteFeed
 
 from .conftest import make_bus
-from .helpers import first_call_fails, live, routed, serving
+from .helpers import first_call_fails, live, req, routed, serving
 from .test_routing import Specialist, outcomes
 
 pytestmark = pytest.mark.anyio
@@ -553,3 +553,113 @@ async def test_fifo_within_a_priority_holds_past_1024_routes_in_a_millisecond(re
         await bus.scripts_many([("route", route.as_list(), [hid, 3, "+60000", ",", ",", step, 0]) for hid in ids])
         queued = [m.decode() for m in await bus.redis.zrange(route.queue, 0, -1)]
         assert queued == ids
+
+
+# ---------------------------------------------------------------------- ended while routed
+
+
+async def test_a_handoff_the_sweep_ends_unroutable_leaves_its_set_queue(real_backend: str, servers: dict) -> None:
+    """Refused by a-1, a routed handoff waited in its set's queue for b-1, which died; when the
+    refusal's guard fired the sweep found no capable agent and made it REJECTED. Its queue
+    entry and meta stayed: a set no one serves any more kept them for good."""
+    async with make_bus(real_backend, servers, route_guard=0.2) as bus:
+        await live(bus, "a-1", "w1")
+        await live(bus, "b-1", "w1")
+        handle = await bus.client("req").request_handoff(routed(["x"], timeout=60.0))
+        feed = RouteFeed(bus, "a-1", ["x"], "w1")
+        await feed.refresh()
+        assert [d.handoff_id for d in await feed.pull(1)] == [handle.handoff_id]  # offered to a-1
+        refusal = await bus.client("a-1").reject_handoff(handle.handoff_id, "no", code="NOPE")
+        assert refusal.status is S.PENDING
+        route = bus.keys.route(set_id("x"))
+        assert await bus.redis.zscore(route.queue, handle.handoff_id) is not None  # waiting there for b-1
+        await bus.redis.delete(bus.keys.workers("b-1"))  # b-1 died
+        await bus.router.directory.agents(max_age=0)  # the router's view, read now
+        with anyio.fail_after(10):
+            outcome = await handle.outcome()
+            await bus.sweeper.wait_pass()  # the end of the pass that decided it
+        assert outcome.status is S.REJECTED and outcome.rejection_code == "NO_CAPABLE_AGENT"
+        assert await bus.redis.zscore(route.queue, handle.handoff_id) is None
+        assert await bus.redis.hget(route.meta, handle.handoff_id) is None
+
+
+async def test_a_refusal_racing_a_cancel_leaves_no_cancelled_handoff_in_its_set_queue(
+    real_backend: str, servers: dict
+) -> None:
+    """The requester cancels between a refusal's script and its routing on: the cancel found
+    nothing to take out of the set's queue yet, and the route script (in the set's slot) cannot
+    see the record, so the CANCELLED handoff was queued, for agents that would never take it."""
+    async with make_bus(real_backend, servers) as bus:
+        await live(bus, "a-1", "w1")
+        await live(bus, "b-1", "w1")
+        client = bus.client("req")
+        handle = await client.request_handoff(routed(["x"], timeout=60.0))
+        feed = RouteFeed(bus, "a-1", ["x"], "w1")
+        await feed.refresh()
+        assert [d.handoff_id for d in await feed.pull(1)] == [handle.handoff_id]
+        keys = bus.keys.record("req", handle.request_id).as_list()
+        reply = await bus.script("reject", keys, [handle.handoff_id, handle.request_id, "a-1", bus.config.retention_ms,
+                                                  bus.config.response_retention_ms, "reason", "no",
+                                                  "guard", int(bus.config.route_guard * 1000)])
+        assert int(reply[0]) == 2  # refused, to be routed on
+        assert (await client.cancel_handoff(handle.handoff_id)).status is S.CANCELLED  # in between
+        await bus.router.send_on("a-1", handle.handoff_id, reply)  # reject_handoff's second half
+        route = bus.keys.route(set_id("x"))
+        assert await bus.redis.zscore(route.queue, handle.handoff_id) is None
+        assert await bus.redis.hget(route.meta, handle.handoff_id) is None
+
+
+async def test_a_target_whose_settling_fails_does_not_cost_the_batch_its_fired_guards(
+    real_backend: str, servers: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In one pass a direct handoff expired whose target's queue cannot be settled (written by
+    hand), and a routed handoff's guard fired (its requester died before routing it). The
+    settling raised, and the routing of the fired guards after it never ran: the sweep had
+    taken the guard out, so the handoff waited in no queue until its deadline."""
+    async with make_bus(real_backend, servers, sweep_interval=3600, route_guard=0.2) as bus:
+        if bus.sweeper.passes == 0:
+            with anyio.fail_after(10):
+                await bus.sweeper.wait_pass()  # the first pass, at start; the next is an hour away
+        await live(bus, "a-1", "w1")
+        client = bus.client("req")
+        direct = await client.request_handoff(req("req", "broken-1", timeout=0.2))
+        queue = bus.keys.target("broken-1").queue
+        await bus.redis.delete(queue)
+        await bus.redis.set(queue, "written by hand")
+
+        async def no_route(*args: Any) -> list[Any]:
+            return []  # the requester died before its route call
+
+        monkeypatch.setattr(HandoffClient, "_route_calls", no_route)
+        handle = await client.request_handoff(routed(["x"], timeout=60.0))
+        monkeypatch.undo()
+        deadlines, guard = bus.keys.deadlines("req"), f"o:{handle.request_id}"
+        due = max(await bus.redis.zscore(deadlines, guard), await bus.redis.zscore(deadlines, direct.request_id))
+        await anyio.sleep(max(due - await bus.now_ms() + 5, 0) / 1000)  # a timer: until both are due
+        assert await bus.now_ms() > due
+        await bus.sweeper.sweep_once()  # both in one pass
+        assert (await direct.status()).status is S.EXPIRED
+        assert await bus.redis.zscore(bus.keys.route(set_id("x")).queue, handle.handoff_id) is not None
+
+
+async def test_a_refusals_retry_after_is_bounded(real_backend: str, servers: dict) -> None:
+    """A retry_after_ms past 2^63 ms was stored as a negative time that no reader parses: the
+    agent that asked not to be offered the handoff for ages was offered it again at once. The
+    client refuses it; the script bounds what reaches it anyway (an isolated agent's own call)."""
+    async with make_bus(real_backend, servers) as bus:
+        await live(bus, "a-1", "w1")
+        handle = await bus.client("req").request_handoff(routed(["x"], timeout=60.0))
+        feed = RouteFeed(bus, "a-1", ["x"], "w1")
+        await feed.refresh()
+        assert [d.handoff_id for d in await feed.pull(1)] == [handle.handoff_id]
+        with pytest.raises(InvalidRequest, match="retry_after_ms"):
+            await bus.client("a-1").reject_handoff(handle.handoff_id, "later", retry_after_ms=10**19)
+        keys = bus.keys.record("req", handle.request_id).as_list()
+        reply = await bus.script("reject", keys, [handle.handoff_id, handle.request_id, "a-1", bus.config.retention_ms,
+                                                  bus.config.response_retention_ms, "reason", "later",
+                                                  "retry", 10**19, "guard", int(bus.config.route_guard * 1000)])
+        assert int(reply[0]) == 2
+        await bus.router.send_on("a-1", handle.handoff_id, reply)
+        deferred = (await bus.redis.hget(keys[0], "deferred") or b"").decode()
+        assert deferred_until(deferred, "a-1") is not None  # a time readers parse
+        assert await feed.pull(1) == []  # still deferred

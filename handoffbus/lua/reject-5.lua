@@ -44,7 +44,11 @@ local refused, deferred = rec[5], rec[6]
 local event = 'REFUSED'
 -- defer this agent again, or drop its deferral and mark it as refusing
 if fields.retry then
-  deferred = defer(deferred, actor, now + tonumber(fields.retry))
+  -- the client checks it (checks.MAX_RETRY_MS); bounded here too, as past 2^63 '%d' would
+  -- store a negative time no reader parses (the agent would be offered it again at once)
+  local retry = tonumber(fields.retry) or 0
+  if retry ~= retry or retry < 0 then retry = 0 elseif retry > 315360000000 then retry = 315360000000 end
+  deferred = defer(deferred, actor, now + retry)
   event = 'DEFERRED'
 else
   deferred = defer(deferred, actor, nil)
