@@ -164,6 +164,25 @@ async def test_drain_finishes_running_work_and_leaves_the_rest_queued(bus: Hando
     assert all(o.status is S.COMPLETED for o in outcomes)
 
 
+async def test_a_drain_during_a_take_does_not_wait_out_the_block(bus: HandoffBus) -> None:
+    """A drain asked while the fetch loop was in a take found no wait to cancel, and the loop
+    then waited for its doorbell a whole ``block`` (30 s here) before it stopped."""
+    worker = Worker(bus, Echo(), block=30.0)
+    take = worker._inbox.take
+    in_take = anyio.Event()
+
+    async def drained_during_take(count: int, settle: Any = ()) -> Any:
+        if count > 0 and not in_take.is_set():
+            in_take.set()
+            worker.drain()  # a SIGTERM while this take is on the wire
+        return await take(count, settle)
+
+    worker._inbox.take = drained_during_take  # type: ignore[method-assign]
+    with anyio.fail_after(5):
+        await worker.run()
+    assert in_take.is_set()
+
+
 def _open_gated() -> Gated:
     agent = Gated()
     agent.gate.set()

@@ -391,6 +391,8 @@ class Worker:
                     taken += await self._routes.pull(free - len(taken))
                 if not taken:
                     with anyio.CancelScope() as self._fetch_scope:
+                        if self._draining:  # asked during the take, with no wait yet to cancel
+                            self._fetch_scope.cancel()
                         self._idle = True
                         try:
                             if self._done:
