@@ -183,6 +183,17 @@ async def test_a_drain_during_a_take_does_not_wait_out_the_block(bus: HandoffBus
     assert in_take.is_set()
 
 
+async def test_a_heartbeat_retry_after_every_handler_finished_is_no_failure(bus: HandoffBus) -> None:
+    """A beat's first touch failed, and the handlers finished during its backoff: the retry sent
+    XCLAIM with no ids, which redis-py refuses (DataError), so the beat counted as failed again
+    and paused this worker's reclaims once more."""
+    keeper = Worker(bus, Echo())._keeper
+    contact = keeper.contact_since
+    await keeper.touch(["req/finished-meanwhile"])  # held no more: nothing to send
+    await keeper.beat()  # a retry's touch, with every handler finished
+    assert keeper.contact_since == contact  # not counted as lost contact
+
+
 def _open_gated() -> Gated:
     agent = Gated()
     agent.gate.set()

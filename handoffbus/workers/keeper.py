@@ -80,6 +80,8 @@ class Keeper:
         JUSTID to itself). An entry that is gone was re-issued when the group was restored
         after a deletion: adopt the new one, before another worker claims it as idle."""
         held = {hid: self._entries[hid] for hid in hids if hid in self._entries}
+        if not held:  # all finished (during a beat's retry, say): XCLAIM takes no empty list
+            return
         try:
             claimed = await self.bus.redis.xclaim(
                 self._inbox_key, GROUP, self.consumer, 0, list(held.values()), justid=True)
