@@ -68,6 +68,8 @@ async def test_reject_carries_code_retry_and_redirect(bus: HandoffBus) -> None:
     assert (decision.retry_after_ms, decision.redirect_to_agent, decision.actor) == (1500, "c", "b")
     assert outcome == decision
     assert await b.get_pending_handoffs() == []
+    # the routing guard every refusal sends is for a routed one: not stored on a direct record
+    assert await bus.redis.hget(bus.keys.record("a", handle.request_id).record, "guard") is None
 
 
 async def test_fail_and_cancel(bus: HandoffBus) -> None:

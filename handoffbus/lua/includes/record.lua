@@ -162,8 +162,10 @@ local function run_transition(status, from, who)
     if not WRITABLE[name] then return {-9, name} end
     if name == 'lease' then lease = ARGV[i + 1] end
     if name == 'rmeta' then rmeta = ARGV[i + 1] end
-    extra[#extra + 1] = name
-    extra[#extra + 1] = ARGV[i + 1]
+    if name ~= 'guard' then  -- a refusal's routing guard is for routing it on (reject-5), not the record
+      extra[#extra + 1] = name
+      extra[#extra + 1] = ARGV[i + 1]
+    end
   end
   local rec = read_record(KEYS[1], {'from', 'to', 'actor', 'lease', 'routed', 'rf'})
   local current = rec.status
