@@ -2,25 +2,37 @@
 checked as data. Every YAML parses; each has the fields its job needs (healthchecks, grace
 periods longer than the workers' drain, probes, matching selectors and names); the metrics
 the alerts and the autoscaler read exist; and every ``handoffbus`` command the files and the
-deploy README run is parsed by the real CLI, options included."""
+deploy README run is parsed by the real CLI, options included. The workers' user the Secret
+describes runs the Deployment's worker and probes against a real server."""
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 import shlex
 import urllib.parse
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import pytest
+import redis.asyncio as aioredis
 import typer
 import yaml
 from prometheus_client import CollectorRegistry
+from typer.testing import CliRunner
 
-from handoffbus import HandoffBus
+from handoffbus import HandoffBus, HandoffStatus
+from handoffbus.acl import forwarder_user
 from handoffbus.cli import app
 from handoffbus.keys import GROUP, Keys
 from handoffbus.metrics import Metrics
+
+from .agents import Echo
+from .conftest import new_prefix
+from .helpers import req, serve_until_done
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -221,3 +233,50 @@ def test_every_handoffbus_command_of_the_deploy_readme_parses() -> None:
     assert len(commands) >= 2
     for argv in commands:
         parse_cli(argv)
+
+
+# ---------------------------------------------------------------------- the workers' user
+
+
+@pytest.mark.anyio
+async def test_the_kubernetes_workers_and_probes_run_as_the_user_of_their_secret(servers: dict) -> None:
+    """The Secret named an agent's own ACL user, which a worker that is not isolated cannot run
+    as (it exited at once, refused a key), nor its readiness probe (refused the grants hash and
+    the registry); and its name was not the one ``handoffbus acl`` gives. The Secret's user,
+    with the rules it names (the forwarder's), runs the Deployment's worker and probes."""
+    secret = load(DEPLOY / "kubernetes" / "redis-secret.yaml")["stringData"]
+    deployment = load(DEPLOY / "kubernetes" / "worker-deployment.yaml")
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert "--isolated" not in container["args"]
+    name = urllib.parse.urlsplit(secret["url"]).username
+    assert name == secret["username"]
+    comment = (DEPLOY / "kubernetes" / "redis-secret.yaml").read_text("utf-8")
+    assert "`handoffbus acl` prints for the forwarder user" in comment
+    prefix, server = new_prefix(), servers["valkey"]
+    user = forwarder_user(prefix, name=name)
+    admin = aioredis.Redis.from_url(server.url)
+    await admin.execute_command(*user.setuser())
+    try:
+        url = f"unix://{user.name}:{user.password}@{server.socket_path}"
+        agent = deployment["metadata"]["labels"]["handoffbus/agent"]
+        async with HandoffBus.connect(url, prefix=prefix) as bus:
+            handle = await bus.client("req").request_handoff(req("req", agent))
+            [outcome], _ = await serve_until_done(bus, Named(agent), [handle])
+        assert outcome.status is HandoffStatus.COMPLETED
+        for probe in ("livenessProbe", "readinessProbe"):
+            command = container[probe]["exec"]["command"]
+            assert command[0] == "handoffbus"
+            result = await anyio.to_thread.run_sync(functools.partial(
+                CliRunner().invoke, app, [*command[1:], "--prefix", prefix, "--json"],
+                env={"HANDOFFBUS_REDIS_URL": url}))
+            problems = json.loads(result.stdout)["problems"]
+            assert problems == ([f"{agent}: no live worker"] if "--agent" in command else []), (probe, problems)
+    finally:
+        await admin.execute_command("ACL", "DELUSER", user.name)
+        await admin.aclose()
+
+
+class Named(Echo):
+    def __init__(self, agent_id: str) -> None:
+        super().__init__()
+        self.agent_id = agent_id  # type: ignore[misc]
