@@ -209,12 +209,45 @@ def test_pending_lists_what_it_can_around_an_undecodable_record(cli: Cli) -> Non
 
 def test_dead_letter_counts_and_entry_ids_out_of_range_are_usage_errors(cli: Cli) -> None:
     for args in (("dlq", "list", "x-1", "--count", "0"), ("dlq", "list", "x-1", "--count", "-3"),
+                 ("dlq", "list", "x-1", "--count", str(2**64)), ("pending", "x-1", "--count", str(2**64)),
                  ("dlq", "replay", "x-1", "99999999999999999999-0"),
                  ("dlq", "replay", "x-1", "1-18446744073709551616")):
         result = cli(*args)
         assert result.exit_code == 2 and "Traceback" not in result.output, (args, result.output)
-        assert "--count must be at least 1" in result.stderr or "not a stream entry id" in result.stderr
+        assert "--count must be from 1 to" in result.stderr or "not a stream entry id" in result.stderr
     assert cli.json("dlq", "list", "x-1", "--count", "1") == []
+
+
+def test_status_watch_interval_is_checked(cli: Cli) -> None:
+    for value in ("-1", "nan", "0"):  # sleep() raised on the first two after a first look; 0 spun
+        result = cli("status", "req/x", "--watch", "--interval", value)
+        assert result.exit_code == 2 and "--interval" in result.stderr, (value, result.output)
+
+
+def test_a_request_the_server_refuses_is_reported_not_a_traceback() -> None:
+    server = start_server(SERVER_BINARIES["valkey"])
+    try:
+        async def fill() -> None:
+            async with HandoffBus.connect(server.url) as bus:
+                await bus.redis.config_set("maxmemory", "1")  # at its limit, with noeviction
+
+        in_loop(fill)
+        result = CliRunner().invoke(app, ["request", "x-1", "--redis-url", server.url, "--prefix", "oom"])
+        assert isinstance(result.exception, SystemExit) and result.exit_code == 1, repr(result.exception)
+        assert "the server refused the command" in result.stderr and "maxmemory" in result.stderr
+    finally:
+        server.stop()
+
+
+def test_a_pending_listing_cut_by_count_says_how_many_are_queued(cli: Cli) -> None:
+    async def queue_three() -> None:
+        async with cli.bus() as bus:
+            for i in range(3):
+                await bus.client("req").request_handoff(req("req", "many-1", request_id=f"c-{i}"))
+
+    in_loop(queue_three)
+    text = cli("pending", "many-1", "--count", "2")
+    assert "3 queued, in serving order (the first 2)" in text.stdout
 
 
 # ---------------------------------------------------------------------- pending in flight, dead letters
@@ -287,6 +320,11 @@ def test_a_dead_letters_accepted_handoff_failed_from_the_cli(cli: Cli) -> None:
     accepted, pending = cli.json("dlq", "list", "sick-2")
     refused = cli("dlq", "fail", "sick-2", pending["entry_id"])
     assert refused.exit_code == 1 and "cannot fail handoff 'req/d-2': it is PENDING" in refused.stdout
+    refused = cli("dlq", "fail", "sick-2", pending["entry_id"], "--json")  # JSON asked for: JSON, refusal too
+    assert refused.exit_code == 1 and json.loads(refused.stdout) == {
+        "agent": "sick-2", "entry_id": pending["entry_id"], "handoff_id": "req/d-2", "failed": False,
+        "error": "cannot fail handoff 'req/d-2': it is PENDING; replay it, or its requester cancels it (its deadline "
+                 "expires it)"}
     failed = cli.json("dlq", "fail", "sick-2", accepted["entry_id"], "--error", "operator gave up")
     assert failed == {"agent": "sick-2", "entry_id": accepted["entry_id"], "handoff_id": "req/d-1", "failed": True,
                       "status": "FAILED", "held": False}
@@ -405,6 +443,11 @@ def test_a_bad_url_or_port_is_a_usage_error_not_a_traceback() -> None:
         (["status", "a/b", "--redis-url", "redis://127.0.0.1:6379/0?socket_timeout=abc"], "not a usable Redis URL"),
         (["worker", "tests.agents:Echo", "--metrics-port", "99999", "--redis-url", "redis://127.0.0.1:1/0"],
          "cannot serve metrics on 0.0.0.0:99999"),
+        # a mistyped host: getaddrinfo's UnicodeError (an empty label) is no OSError
+        (["worker", "tests.agents:Echo", "--metrics-port", "0", "--metrics-address", "10.0.0..1",
+          "--redis-url", "redis://127.0.0.1:1/0"], "cannot serve metrics on 10.0.0..1:0"),
+        (["exporter", "--port", "0", "--address", "10.0.0..1", "--redis-url", "redis://127.0.0.1:1/0"],
+         "cannot serve metrics on 10.0.0..1:0"),
     ]:
         result = runner.invoke(app, args)
         assert result.exit_code == 2 and said in result.output, (args, result.output, result.exception)

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 from typer.testing import CliRunner
 
 from handoffbus import HandoffBus, HandoffStatus
-from handoffbus.acl import forwarder_user
+from handoffbus.acl import agent_user, forwarder_user
 from handoffbus.cli import app
 from handoffbus.keys import GROUP, Keys
 from handoffbus.metrics import Metrics
@@ -254,11 +254,11 @@ async def test_the_kubernetes_workers_and_probes_run_as_the_user_of_their_secret
     assert "`handoffbus acl` prints for the forwarder user" in comment
     prefix, server = new_prefix(), servers["valkey"]
     user = forwarder_user(prefix, name=name)
+    agent = deployment["metadata"]["labels"]["handoffbus/agent"]
     admin = aioredis.Redis.from_url(server.url)
     await admin.execute_command(*user.setuser())
     try:
         url = f"unix://{user.name}:{user.password}@{server.socket_path}"
-        agent = deployment["metadata"]["labels"]["handoffbus/agent"]
         async with HandoffBus.connect(url, prefix=prefix) as bus:
             handle = await bus.client("req").request_handoff(req("req", agent))
             [outcome], _ = await serve_until_done(bus, Named(agent), [handle])
@@ -271,8 +271,17 @@ async def test_the_kubernetes_workers_and_probes_run_as_the_user_of_their_secret
                 env={"HANDOFFBUS_REDIS_URL": url}))
             problems = json.loads(result.stdout)["problems"]
             assert problems == ([f"{agent}: no live worker"] if "--agent" in command else []), (probe, problems)
+        # the agent's own user, which the Secret used to name: refused, and said so (not "unavailable")
+        own = agent_user(prefix, agent)
+        await admin.execute_command(*own.setuser())
+        command = container["readinessProbe"]["exec"]["command"]
+        result = await anyio.to_thread.run_sync(functools.partial(
+            CliRunner().invoke, app, [*command[1:], "--prefix", prefix, "--json"],
+            env={"HANDOFFBUS_REDIS_URL": f"unix://{own.name}:{own.password}@{server.socket_path}"}))
+        [problem] = json.loads(result.stdout)["problems"]
+        assert problem.startswith("the server's ACL refused this user"), problem
     finally:
-        await admin.execute_command("ACL", "DELUSER", user.name)
+        await admin.execute_command("ACL", "DELUSER", user.name, agent_user(prefix, agent).name)
         await admin.aclose()
 
 

@@ -23,7 +23,7 @@ import anyio
 import msgspec
 import typer
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError
+from redis.exceptions import NoPermissionError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rich.console import Console
 from rich.table import Table
@@ -78,6 +78,15 @@ def usage_error(message: str) -> NoReturn:
     raise typer.Exit(EXIT_USAGE)
 
 
+#: the most entries a listing may ask for (Redis takes a COUNT up to 2^63 - 1; no listing needs that)
+MAX_COUNT = 1_000_000_000
+
+
+def check_count(count: int) -> None:
+    if not 1 <= count <= MAX_COUNT:
+        usage_error(f"--count must be from 1 to {MAX_COUNT}")
+
+
 def check_usage(agents: list[str] | None, durations: list[tuple[str, float, float]]) -> None:
     """Agent ids and durations given on the command line, checked before anything runs (a
     0 s refresh would spin; a malformed agent id would read as "no live worker")."""
@@ -114,6 +123,9 @@ def run(func: Callable[..., Awaitable[int]], *args: Any) -> None:
         code = EXIT_FAILED
     except NoPermissionError as exc:  # e.g. the read-only monitor user asked to write
         errors.print(f"handoffbus: the server's ACL refused this user: {exc}")
+        code = EXIT_FAILED
+    except ResponseError as exc:  # e.g. OOM at maxmemory with noeviction, READONLY from a replica
+        errors.print(f"handoffbus: the server refused the command: {exc}")
         code = EXIT_FAILED
     except KeyboardInterrupt:
         code = 130

@@ -24,6 +24,8 @@ from .common import (
     Prefix,
     RedisUrl,
     ago,
+    check_count,
+    check_usage,
     console,
     emit_json,
     errors,
@@ -164,6 +166,7 @@ def status(
         split_handoff_id(handoff_id)
     except ValueError as exc:
         usage_error(str(exc))
+    check_usage(None, [("--interval", interval, 0.001)])
     run(_status, opts, handoff_id, watch, interval)
 
 
@@ -236,8 +239,9 @@ def pending(
     redis_url: RedisUrl = None, prefix: Prefix = None, as_json: Json = False,
 ) -> None:
     """List an agent's queued handoffs (in serving order) and those in flight at its workers."""
-    if count < 1 or (idle is not None and idle < 0):
-        usage_error("--count must be at least 1 and --idle not negative")
+    check_count(count)
+    if idle is not None and idle < 0:
+        usage_error("--idle must not be negative")
     run(_pending, options(ctx, redis_url, prefix, as_json), agent, idle, count)
 
 
@@ -248,7 +252,8 @@ async def _pending(opts: Options, agent: str, idle: int | None, count: int) -> i
         unreadable: dict[str, str] = {}
         if idle is None:  # a record that cannot be decoded is left out, and named apart
             queued, unreadable = await bus.client("cli")._read_pending(agent)
-            queued = queued[:count]
+        total = len(queued)
+        queued = queued[:count]
         keys = bus.keys.target(agent)
         async with bus.redis.pipeline(transaction=False) as pipe:  # one slot: one round trip
             pipe.hgetall(keys.inflight)
@@ -270,7 +275,7 @@ async def _pending(opts: Options, agent: str, idle: int | None, count: int) -> i
             errors.print(f"handoffbus: left out {handoff_id}, whose record cannot be decoded: {error}")
         if idle is None:
             console.print(table(
-                f"{agent}: {len(queued)} queued, in serving order",
+                f"{agent}: {total} queued, in serving order" + (f" (the first {count})" if total > count else ""),
                 ("#", "handoff", "priority", "waiting", "deadline", "reason"),
                 [(str(i), p.handoff_id, str(p.request.priority), seconds((now - p.created_ms) / 1000),
                   ago(p.deadline_ms, now), p.request.reason) for i, p in enumerate(queued, 1)]))
@@ -292,8 +297,7 @@ def dlq_list(
     redis_url: RedisUrl = None, prefix: Prefix = None, as_json: Json = False,
 ) -> None:
     """List the handoffs an agent's workers gave up on, and why."""
-    if count < 1:
-        usage_error("--count must be at least 1")
+    check_count(count)
     run(_dlq_list, options(ctx, redis_url, prefix, as_json), agent, count)
 
 
@@ -344,7 +348,12 @@ async def _dlq_act(opts: Options, agent: str, entry: str, error: str | None) -> 
             action = await (client.replay_dead_letter(agent, entry) if error is None
                             else client.fail_dead_letter(agent, entry, error))
         except InvalidTransition as exc:  # PENDING: not an operator's to fail
-            console.print(f"{exc}; replay it, or its requester cancels it (its deadline expires it)")
+            refusal = f"{exc}; replay it, or its requester cancels it (its deadline expires it)"
+            if opts.json:
+                emit_json({"agent": agent, "entry_id": entry, "handoff_id": exc.handoff_id, "failed": False,
+                           "error": refusal})
+            else:
+                console.print(refusal)
             return EXIT_FAILED
         status = None if action.status is None else action.status.value
         if opts.json:

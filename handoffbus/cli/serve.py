@@ -134,7 +134,7 @@ def worker(
 
         try:
             registry = serve_metrics(metrics_port, metrics_address)
-        except (HandoffbusError, OSError) as exc:
+        except (HandoffbusError, OSError, ValueError) as exc:  # ValueError: UnicodeError of a bad host name
             usage_error(f"cannot serve metrics on {metrics_address}:{metrics_port}: {exc}")
     policy = None
     if scenario is not None:
@@ -293,7 +293,7 @@ def exporter(
     _logging()
     try:
         registry = serve_metrics(port, address)
-    except (HandoffbusError, OSError) as exc:
+    except (HandoffbusError, OSError, ValueError) as exc:  # ValueError: UnicodeError of a bad host name
         usage_error(f"cannot serve metrics on {address}:{port}: {exc}")
     serve(_exporter, opts, registry, interval)
 

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import anyio
 import typer
+from redis.exceptions import NoPermissionError
 from rich.live import Live
 from rich.table import Table
 
@@ -215,6 +216,8 @@ async def _check(opts: Options, agents: list[str], max_backlog_age: float, wait:
         raise  # a usage error (no server given, a bad prefix or URL): exit 2, not "unhealthy"
     except TimeoutError:
         problems.append(f"Redis did not answer within {wait:g} s")
+    except NoPermissionError as exc:  # reachable: this user may not read what the check reads
+        problems.append(f"the server's ACL refused this user: {exc}")
     except Exception as exc:
         problems.append(f"Redis unavailable: {exc}")
     for view in views:
