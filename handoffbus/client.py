@@ -205,6 +205,8 @@ class HandoffClient:
                 bus.tally.add(request.to_agent, "requested")
             if code == 1:
                 reader.created(waiter, reply[4])
+            elif code == 0 and len(reply) > 7:  # joined: responses before its creation are not its own
+                reader.began(waiter, int(reply[7]))
             waiter.set_deadline(int(reply[2]), int(reply[3]))
             late = reader.start(reply[4])
             if code == 0 and len(reply) > 6 and int(reply[5]) == 1:  # this resubmission expired it
@@ -275,6 +277,7 @@ class HandoffClient:
         if found is None:  # or not written yet: a waiter is registered before its request
             raise errors.HandoffNotFound(waiter.handoff_id)
         now_ms, _, record = found
+        reader.began(waiter, record.created_ms)  # a handle taken on it may not know where it began
         if record.status is HandoffStatus.PENDING:
             waiter.set_deadline(now_ms, record.deadline_ms)
         else:

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 __all__ = ["ResponseReader", "Waiter", "clock"]
 
 log = logging.getLogger("handoffbus")
+#: responses one read of the stream takes at most
+READ_COUNT = 512
 
 
 def entry_position(entry_id: bytes) -> tuple[int, int]:
@@ -181,7 +183,18 @@ class ResponseReader:
         reader has yet to pass on are ignored from now; what the waiter heard from them already
         is dropped, and it listens again. What it heard after them is its own: a handoff's
         responses can come before its request returns."""
-        since = waiter.since = entry_position(cursor)
+        self._since(waiter, entry_position(cursor))
+
+    def began(self, waiter: Waiter, created_ms: int) -> None:
+        """``created`` for a request that joined the handoff, or a handle on it, which did not
+        see where the stream stood: its record was created at ``created_ms`` (Redis time), and
+        entries of an earlier millisecond belong to an earlier handoff under the same id."""
+        position = (created_ms - 1, 2**64)
+        if waiter.since is None or waiter.since < position:
+            self._since(waiter, position)
+
+    def _since(self, waiter: Waiter, since: tuple[int, int]) -> None:
+        waiter.since = since
         if waiter.heard is not None and waiter.heard <= since:
             waiter.decision = waiter.outcome = waiter.heard = None
             self._waiters.setdefault(waiter.handoff_id, waiter)
@@ -258,10 +271,10 @@ class ResponseReader:
             assert self._cursor is not None
             try:
                 if line is not None:  # one server: the reply as it comes, entries as flat lists
-                    reply = await line.command("XREAD", "COUNT", 512, "BLOCK", block_ms,
+                    reply = await line.command("XREAD", "COUNT", READ_COUNT, "BLOCK", block_ms,
                                                "STREAMS", self._stream, self._cursor, blocks=block_ms / 1000)
                 else:
-                    reply = await redis.xread({self._stream: self._cursor}, count=512, block=block_ms)
+                    reply = await redis.xread({self._stream: self._cursor}, count=READ_COUNT, block=block_ms)
             except (RedisError, OSError) as exc:
                 # connection lost, server restarted, or a failover's UNBLOCKED/READONLY/LOADING
                 log.warning("response reader for %s: %s; retrying", self._agent, exc)
@@ -278,7 +291,8 @@ class ResponseReader:
                 # add up); the next request of this requester starts a new one
                 self._bus.drop_reader(self._agent, self)
                 return
-            trimmed = False
+            trimmed = full = False
+            before = self._cursor
             for _stream, entries in stream_entries(reply):
                 # each XADD trims the stream below its time less the retention: one that far past
                 # the cursor may have trimmed entries this reader had yet to read (it lagged). A
@@ -286,12 +300,23 @@ class ResponseReader:
                 cursor_ms = entry_position(self._cursor)[0]
                 if entries and 0 < cursor_ms < entry_position(entries[-1][0])[0] - retention_ms:
                     trimmed = True
+                full = len(entries) >= READ_COUNT
                 for entry_id, fields in entries:
                     self._cursor = entry_id
                     try:
                         self._dispatch(entry_fields(fields), entry_id)
                     except Exception:
                         log.exception("undecodable response %r on %s", entry_id, self._stream)
+            if full and not trimmed and entry_position(before)[0] > 0:
+                # more was waiting than one read takes, and entries past this read may have
+                # trimmed some of it (the check above sees as far as this read). Trimming takes
+                # the oldest first: nothing unread went if the stream still begins at or before
+                # where this read began.
+                try:
+                    first = await self._bus.redis.xrange(self._stream, count=1)
+                    trimmed = bool(first) and entry_position(first[0][0]) > entry_position(before)
+                except (RedisError, OSError):
+                    trimmed = True  # not known: the records say
             if trimmed:  # what was trimmed is on the records
                 try:
                     await self._resync()

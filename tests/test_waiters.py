@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import redis.asyncio as aioredis
 
@@ -380,6 +381,52 @@ async def test_a_request_id_used_again_hears_only_its_own_handoff(
         assert outcome.status is HandoffStatus.COMPLETED and outcome.result == "new result"
 
 
+@pytest.mark.parametrize("server", list(SERVER_BINARIES))  # holds the reader's kept line (one server)
+@pytest.mark.parametrize("how", ["resubmitted", "handle"])
+async def test_a_reused_request_id_joined_here_hears_only_its_own_handoff(
+    server: str, servers: Servers, how: str
+) -> None:
+    """As above, but the new r1 was created by another process: this one joins it by resubmitting
+    the request, or takes a handle on it. Neither saw where the stream stood at its creation,
+    and the old r1's COMPLETED, passed on late, was taken for the new one's outcome."""
+    async with make_bus(server, servers) as bus, make_bus(server, servers, prefix=bus.config.prefix) as elsewhere:
+        alice, bob = bus.client("alice"), bus.client("bob")
+        lines, reading = held_lines(bus)
+        await alice.request_handoff(req("alice", "bob", request_id="r1", reason="same"))
+        await reading.wait()
+        [line] = lines
+        line.holding = True
+        await bob.accept_handoff("alice/r1")
+        await line.held.wait()  # the reader has ACCEPTED in hand, not yet passed on
+        await bob.complete_handoff("alice/r1", result="old result")
+        keys = bus.keys.record("alice", "r1")
+        await bus.redis.delete(keys.record, keys.envelope)  # what record_retention's TTL does
+        await elsewhere.client("alice").request_handoff(req("alice", "bob", request_id="r1", reason="same"))
+        if how == "resubmitted":
+            handle = await alice.request_handoff(req("alice", "bob", request_id="r1", reason="same"))
+        else:
+            handle = alice.handle("alice/r1")
+        heard: list[HandoffResponse] = []
+        async with anyio.create_task_group() as tg:
+
+            async def await_it() -> None:
+                heard.append(await handle.outcome())
+
+            tg.start_soon(await_it)
+            await anyio.wait_all_tasks_blocked()  # the handle read the record (PENDING) and waits
+            line.released.set()  # the reader catches up on the old r1's responses
+            [(last, _)] = await bus.redis.xrevrange(bus.keys.responses("alice"), count=1)
+            reader = bus.reader("alice", alice._refresh)
+            with anyio.fail_after(5):
+                while reader._cursor != last:  # until the reader has passed on the old COMPLETED
+                    await anyio.lowlevel.checkpoint()
+                await anyio.wait_all_tasks_blocked()
+            assert not heard, f"the new r1 is PENDING, yet its handle heard {heard[0]!r}"
+            await bob.accept_handoff("alice/r1")
+            await bob.complete_handoff("alice/r1", result="new result")
+        assert heard[0].status is HandoffStatus.COMPLETED and heard[0].result == "new result"
+
+
 async def test_responses_heard_before_the_request_returns_are_kept(bus: HandoffBus) -> None:
     alice, bob = bus.client("alice"), bus.client("bob")
     scripts_many = bus.scripts_many
@@ -480,6 +527,51 @@ async def test_a_response_trimmed_before_a_lagging_reader_read_it_is_found_on_it
             await bob.reject_handoff(filler.handoff_id, reason="no")
         left = await bus.redis.xrange(bus.keys.responses("alice"))
         assert target.handoff_id.encode() not in {f[b"id"] for _, f in left}  # trimmed unread
+        line.released.set()
+        with anyio.fail_after(10):  # not at the 30 s safety re-read
+            outcome = await target.outcome()
+        assert outcome.status is HandoffStatus.COMPLETED and outcome.result == "done"
+
+
+@pytest.mark.parametrize("server", list(SERVER_BINARIES))  # holds the reader's kept line (one server)
+async def test_a_trimmed_response_is_found_when_the_lag_is_more_than_one_read(server: str, servers: Servers) -> None:
+    """As above, with more than one read's worth (512) to catch up on: the first read's last
+    entry was within the retention of the cursor, the next read began past the gap, and
+    nothing noticed the trimmed COMPLETED until the 30 s safety re-read."""
+    async with make_bus(server, servers, response_retention=1.0) as bus:
+        alice, bob = bus.client("alice"), bus.client("bob")
+        stream = bus.keys.responses("alice")
+        lines, reading = held_lines(bus)
+        first = await alice.request_handoff(req("alice", "bob"))
+        target = await alice.request_handoff(req("alice", "bob"))
+        await reading.wait()
+        [line] = lines
+        line.holding = True
+        await bob.accept_handoff(first.handoff_id)
+        await line.held.wait()  # the reader lags from here
+        t0 = await bus.server_time_ms()
+        await bob.accept_handoff(target.handoff_id)
+        await bob.complete_handoff(target.handoff_id, result="done")
+
+        async def others(n: int) -> None:  # responses to other handoffs of alice's (no waiter here)
+            async with bus.redis.pipeline(transaction=False) as pipe:
+                for i in range(n):
+                    pipe.xadd(stream, {"id": f"alice/x{i}", "status": "REJECTED", "actor": "bob", "ts": "1"})
+                await pipe.execute()
+
+        async def until_server_ms(at_ms: int) -> None:  # by the server's clock, which the trimming reads
+            while await bus.server_time_ms() <= at_ms:
+                await anyio.lowlevel.checkpoint()
+
+        await others(300)  # whole stream nodes of responses from t0
+        await until_server_ms(t0 + 500)
+        await others(600)  # more than one read's worth, within the retention of t0
+        await until_server_ms(t0 + 1300)
+        extra = await alice.request_handoff(req("alice", "bob"))
+        await bob.reject_handoff(extra.handoff_id, reason="no")  # its XADD trims what is older than 1 s
+        left = {f[b"id"] for _, f in await bus.redis.xrange(stream)}
+        assert target.handoff_id.encode() not in left  # trimmed unread
+        assert len(left) > 512  # more than one read's worth to catch up on
         line.released.set()
         with anyio.fail_after(10):  # not at the 30 s safety re-read
             outcome = await target.outcome()

@@ -25,11 +25,12 @@
 
   Returns:
     {1, 'PENDING', now ms, deadline ms, last response id}  created; the marker expires at the deadline
-    {0, current status, now ms, deadline ms, last response id, expired now (1/0), to agent}  the same
+    {0, current status, now ms, deadline ms, last response id, expired now (1/0), to agent, created ms}  the same
        request exists (a PENDING one is marked `joined`, so that its creator's `withdraw` leaves it
        to this caller). If its deadline had passed, this call made it EXPIRED and emitted EXPIRED:
        "expired now" is 1, telling the caller to take it out of its target's queue and count the
-       expiry for that target (to agent: '' for a routed handoff not yet offered to one)
+       expiry for that target (to agent: '' for a routed handoff not yet offered to one). Created
+       ms: responses before it are an earlier handoff's under the same id (its record expired)
     {-5} the request id exists with a different request (another fingerprint)
     {-8} the requester is at its cap of undecided handoffs (nothing written)
     {-10} the staged envelope is gone (nothing written)
@@ -44,7 +45,7 @@ local retention_ms, response_retention_ms = tonumber(ARGV[7]), tonumber(ARGV[8])
 local fingerprint = ARGV[9]
 local staged = ARGV[15] == '1'
 
-local existing = read_record(KEYS[1], {'fp', 'deadline', 'to'})
+local existing = read_record(KEYS[1], {'fp', 'deadline', 'to', 'created'})
 if existing.status then
   if staged then redis.call('DEL', KEYS[6]) end
   if existing.fp ~= fingerprint then return {-5} end
@@ -52,7 +53,8 @@ if existing.status then
   local expired = 0
   if expire_if_due(KEYS, existing, request_id, now, retention_ms, response_retention_ms) then expired = 1 end
   if existing.status == 'PENDING' then redis.call('HSET', KEYS[1], 'joined', '1') end
-  return {0, existing.status, fmt(now), existing.deadline, last_response_id(KEYS[4]), expired, existing.to or ''}
+  return {0, existing.status, fmt(now), existing.deadline, last_response_id(KEYS[4]), expired, existing.to or '',
+    existing.created or '0'}
 end
 
 local cap = tonumber(ARGV[13] or 0)
