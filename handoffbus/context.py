@@ -137,12 +137,26 @@ def deserialize_context(data: bytes | bytearray | memoryview, *, limit: int = DE
     try:
         wire = _wire_decoder.decode(data)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
-        raise DecodeError(f"invalid handoff context: {exc}") from None
+        wire = _read_as_sw4rm(data, exc)
     return HandoffContext(
         conversation_history=[ConversationEntry.from_dict(e) for e in wire.conversation_history],
         tool_state=wire.tool_state,
         metadata=wire.metadata,
     )
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _read_as_sw4rm(data: bytes | bytearray | memoryview, exc: Exception) -> _Wire:
+    """What msgspec refused, read as sw4rm reads it (Python's json): the escape of a lone UTF-16
+    surrogate (half an emoji, cut off), which sw4rm and ``serialize_context`` both write. Still
+    strict UTF-8, and NaN and Infinity stay refused (``serialize_context`` never writes them)."""
+    try:
+        return msgspec.convert(json.loads(bytes(data).decode("utf-8"), parse_constant=_refuse_constant), _Wire)
+    except (ValueError, RecursionError, msgspec.ValidationError):  # UnicodeDecodeError and JSON's own are ValueErrors
+        raise DecodeError(f"invalid handoff context: {exc}") from None
 
 
 def context_json_schema() -> dict[str, Any]:

@@ -174,3 +174,20 @@ def test_an_optional_key_read_as_null_is_written_back_as_null() -> None:
     context = deserialize_context(data)
     assert context.conversation_history[0].timestamp is None and context.conversation_history[1].name == "f"
     assert serialize_context(context) == data
+
+
+def test_a_lone_surrogate_reads_back_as_sw4rm_reads_it() -> None:
+    """Half an emoji, cut off: sw4rm and serialize_context both write the lone surrogate's
+    escape, and sw4rm reads it back; msgspec refused it, and a worker got no context at all."""
+    history = [{"role": "user", "content": "half an emoji: \ud83d"}]
+    theirs = sw4rm_serialize(Sw4rmContext(conversation_history=history))
+    assert sw4rm_deserialize(theirs).conversation_history == history
+    ours = serialize_context(HandoffContext(conversation_history=[ConversationEntry.from_dict(e) for e in history]))
+    assert ours == theirs
+    assert deserialize_context(ours).conversation_history[0].content == "half an emoji: \ud83d"
+    # read that way, still strict: NaN, invalid UTF-8, a wrong shape
+    for data in (ours.replace(b"{}", b'{"x":NaN}', 1), ours.replace(b"half", b"\xc3alf"),
+                 ours.replace(b'"tool_state":{}', b'"tool_state":[]')):
+        assert data != ours
+        with pytest.raises(DecodeError):
+            deserialize_context(data)
