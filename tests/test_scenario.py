@@ -300,3 +300,39 @@ async def test_a_worker_process_loads_a_scenario(servers: dict) -> None:
         [sys.executable, "-m", "handoffbus", "worker", "tests.agents:ConciergeRelay", "--scenario", "/nonexistent.yaml",
          "--redis-url", servers["valkey"].url], cwd=ROOT, check=False)
     assert bad.returncode == 2 and b"cannot read scenario" in bad.stderr
+
+
+async def test_a_specialist_hands_back_along_the_scenarios_return_edge(backend: str, servers: dict) -> None:
+    """The scenario's InvestmentAdvisor -> Concierge, taken as a handoff (not a return to
+    sender), was refused as a cycle: the Concierge had had the conversation. A scenario's own
+    route may go back, bounded by max_visits; off its routes, cycles are refused as before."""
+    scenario = Scenario.load(BANKING)
+    refused: list[BaseException] = []
+
+    class Advisor(Agent):
+        agent_id = "InvestmentAdvisor"
+
+        async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+            try:
+                await handoff.hand_to("Concierge", "investment query completed", handoff.context)
+            except Exception as exc:
+                refused.append(exc)
+            return {"ok": True}
+
+    async with make_bus(backend, servers, policy=HandoffPolicy(scenario, max_visits=2)) as bus:
+        handle = await bus.client("Concierge").request_handoff(req("Concierge", "InvestmentAdvisor"))
+        async with serving(bus, Advisor()):
+            with anyio.fail_after(20):
+                await handle.outcome()
+        back = await bus.client("Concierge").get_pending_handoffs()
+    assert refused == []
+    [returned] = back
+    assert returned.request.from_agent == "InvestmentAdvisor"
+    resolution = returned.request.metadata[RESOLUTION_KEY]  # resolved as the scenario's route
+    assert (resolution["source_agent"], resolution["target_agent"]) == ("InvestmentAdvisor", "Concierge")
+    assert resolution["is_return"]  # the Concierge had the conversation: its return greeting
+    policy = HandoffPolicy(scenario, max_visits=2)
+    third = msgspec.structs.replace(returned.request, from_agent="Concierge", to_agent="InvestmentAdvisor",
+                                    metadata={"hb.hops": ["Concierge", "InvestmentAdvisor"] * 2})
+    with pytest.raises(RouteRefused, match="CYCLE"):  # a third visit: past max_visits, even on its route
+        policy.check(third)

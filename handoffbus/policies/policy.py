@@ -7,7 +7,8 @@ For each request, in this order:
    its edges. Otherwise the request is refused: ``RouteRefused``, code
    ``ROUTE_NOT_IN_SCENARIO``.
 2. **Loop guards.** These are the hop chain's depth and cycles (codes ``MAX_DEPTH`` and
-   ``CYCLE``; see guards.py).
+   ``CYCLE``; see guards.py). On a scenario's route, going back to an agent is no cycle
+   (specialists return to the concierge): it is bounded by ``max_visits`` only.
 3. **The scenario's resolution.** The request's metadata gets ``hb.handoff``: the type
    (announced or discrete), the greeting the target says on arrival (none when discrete; the
    return greeting when the conversation was with the target before), whether the context is
@@ -85,6 +86,7 @@ class HandoffPolicy:
         """Raise ``RouteRefused`` for a request this policy does not allow (steps 1 and 2)."""
         sender, target = request.from_agent, request.to_agent
         scenario = self.scenario
+        cycles = self.cycles
         if scenario is not None and (scenario.governs(sender) or (target and scenario.governs(target))):
             if not target:
                 raise RouteRefused(handoff_id, "ROUTE_NOT_IN_SCENARIO", f"scenario {scenario.name!r} routes "
@@ -93,7 +95,10 @@ class HandoffPolicy:
                 allowed = ", ".join(scenario.targets(sender)) or "none"
                 raise RouteRefused(handoff_id, "ROUTE_NOT_IN_SCENARIO", f"scenario {scenario.name!r} has no "
                                    f"handoff {sender} -> {target} (allowed from {sender}: {allowed})")
-        check_hops(request, handoff_id, max_depth=self.max_depth, cycles=self.cycles, max_visits=self.max_visits)
+            # a scenario's own route may go back to an agent (a specialist returns to the
+            # concierge; its return greeting is for that), up to max_visits times
+            cycles = "allow"
+        check_hops(request, handoff_id, max_depth=self.max_depth, cycles=cycles, max_visits=self.max_visits)
 
     async def prepare(self, bus: HandoffBus, request: HandoffRequest, handoff_id: str = "-",
                       variables: Mapping[str, Any] | None = None) -> HandoffRequest:
