@@ -17,6 +17,7 @@ from handoffbus import (
     HandoffBus,
     HandoffContext,
     HandoffRequest,
+    HandoffResponse,
     HandoffStatus,
     serialize_context,
 )
@@ -105,6 +106,29 @@ async def test_a_plain_hook_may_return_an_awaitable_decision(bus: HandoffBus, in
     [outcome], _ = await serve_until_done(bus, Deferring(), [handle])
     decision = await handle.decision()
     assert decision.metadata == {"deferred": True} and outcome.status is HandoffStatus.COMPLETED
+
+
+async def test_an_acceptance_hook_ported_from_sw4rm_answers_with_a_handoff_response(bus: HandoffBus) -> None:
+    """sw4rm's on_handoff_request returns a HandoffResponse; it was refused (HOOK_FAILED)."""
+    class Ported(Echo):
+        async def on_handoff_request(self, request: HandoffRequest) -> HandoffResponse:  # type: ignore[override]
+            if request.reason == "yes":
+                return HandoffResponse(handoff_id="", status=HandoffStatus.ACCEPTED, accepted=True,
+                                       metadata={"eta": 5})
+            return HandoffResponse(handoff_id="", status=HandoffStatus.REJECTED, accepted=False,
+                                   rejection_reason="busy", rejection_code="AGENT_BUSY", retry_after_ms=1500,
+                                   redirect_to_agent="echo-2")
+
+    client = bus.client("req")
+    yes = await client.request_handoff(req("req", "echo-1", reason="yes"))
+    no = await client.request_handoff(req("req", "echo-1", reason="no"))
+    [done, refused], _ = await serve_until_done(bus, Ported(), [yes, no])
+    accepted = await yes.decision()
+    assert accepted.status is HandoffStatus.ACCEPTED and accepted.metadata == {"eta": 5}
+    assert done.status is HandoffStatus.COMPLETED
+    assert refused.status is HandoffStatus.REJECTED
+    assert (refused.rejection_reason, refused.rejection_code, refused.retry_after_ms, refused.redirect_to_agent) == (
+        "busy", "AGENT_BUSY", 1500, "echo-2")
 
 
 async def test_failures_are_reported_not_fatal(bus: HandoffBus) -> None:

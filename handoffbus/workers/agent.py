@@ -4,7 +4,7 @@
         agent_id = "security-specialist-1"
         capabilities = ["code_review", "security_analysis"]
 
-        async def on_handoff_request(self, request):   # -> Accept() or Reject(...)
+        async def on_handoff_request(self, request):   # -> Accept() or Reject(...) (or sw4rm's HandoffResponse)
             ...
         async def on_handoff_received(self, handoff):   # return value -> COMPLETED result
             ...
@@ -30,7 +30,7 @@ import msgspec
 from ..config import check_seconds
 from ..context import DEFAULT_CONTEXT_LIMIT, HandoffContext, deserialize_context, serialize_context
 from ..errors import DecodeError, HandoffbusError, InvalidRequest
-from ..models import HandoffRequest
+from ..models import HandoffRequest, HandoffResponse
 from ..policies.guards import HOPS_KEY, RETURN_KEY, hops_of
 from ..policies.policy import RESOLUTION_KEY
 from ..policies.scenario import HandoffResolution
@@ -220,8 +220,11 @@ class Agent:
         self.state = AgentState.RUNNABLE
 
     @inline
-    def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject | Awaitable[Accept | Reject]:
-        """Decide on a request (sw4rm's default). May be ``async def`` in a subclass."""
+    def on_handoff_request(
+        self, request: HandoffRequest
+    ) -> Accept | Reject | HandoffResponse | Awaitable[Accept | Reject | HandoffResponse]:
+        """Decide on a request (sw4rm's default). May be ``async def`` in a subclass. A hook
+        ported from sw4rm may answer with a HandoffResponse: ``accepted`` says which."""
         missing = sorted(set(request.capabilities_required) - set(self.capabilities))
         if missing:
             return Reject(reason=f"missing capability: {', '.join(missing)}", code="CAPABILITY_MISSING")

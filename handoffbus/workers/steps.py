@@ -36,6 +36,15 @@ __all__ = ["Steps"]
 T = TypeVar("T")
 
 
+def from_sw4rm(response: HandoffResponse) -> Accept | Reject:
+    """sw4rm's acceptance hook answers with a HandoffResponse: ``accepted`` says which, and the
+    rejection's fields say why. A ported hook's answer, as handoffbus's own."""
+    if response.accepted:
+        return Accept(metadata=response.metadata)
+    return Reject(reason=response.rejection_reason or "", code=response.rejection_code,
+                  retry_after_ms=response.retry_after_ms, redirect_to=response.redirect_to_agent)
+
+
 class Steps:
     """A worker's steps for the handoffs it runs, under its consumer name (the lease)."""
 
@@ -69,6 +78,8 @@ class Steps:
         except Exception as exc:
             self._log.exception("%s: acceptance hook failed for %s", self.consumer, hid, extra={"handoff_id": hid})
             return Reject(reason=f"acceptance hook failed: {describe(exc)}", code="HOOK_FAILED")
+        if isinstance(decision, HandoffResponse):
+            decision = from_sw4rm(decision)
         if not isinstance(decision, Accept | Reject):
             return Reject(reason=f"acceptance hook returned {type(decision).__name__}", code="HOOK_FAILED")
         if isinstance(decision, Accept) and not isinstance(decision.metadata, dict):
