@@ -144,7 +144,9 @@ async def test_an_sdk_handoff_to_an_agent_in_another_process(servers: dict) -> N
     assert result.final_output == ("billing saw 3 items ['function_call', 'function_call_output', 'message']; "
                                    "the customer said: I was charged twice for my order")
     assert record is not None and record.status is HandoffStatus.COMPLETED and record.request.to_agent == "billing-1"
-    assert record.response.result == {"output": result.final_output, "agent": "Billing Agent"}
+    assert record.response.result == {"output": result.final_output, "agent": "Billing Agent",
+                                      "usage": {"requests": 1, "input_tokens": 0, "output_tokens": 0,
+                                                "total_tokens": 0}}  # the scripted model's
     context = deserialize_context(record.request.context_snapshot or b"")
     assert [e.role for e in context.conversation_history] == ["user", "assistant", "tool"]
     assert context.conversation_history[0].content == "I was charged twice for my order"
@@ -191,3 +193,27 @@ async def test_an_sdk_agents_onward_handoff_carries_the_hop_chain(backend: str, 
                 outcome = await handle.outcome()
         assert outcome.status is HandoffStatus.FAILED and "MAX_DEPTH" in (outcome.error or "")
         assert leaf.received == []  # b-1 -> c-1 is a second hop: refused
+
+
+async def test_the_remote_runs_tokens_count_in_the_run_that_handed_to_it(backend: str, servers: dict) -> None:
+    """The remote agent's model reported no usage (zeros): a run that handed off under-counted
+    its tokens by all the remote run spent."""
+    from agents.testing import ModelStep, assistant_message
+    from agents.usage import Usage
+
+    from handoffbus.integrations.openai_agents import SdkAgent
+
+    remote_sdk = Agent(name="b-1", model=ScriptedModel([ModelStep(
+        output=[assistant_message("done")], usage=Usage(requests=1, input_tokens=40, output_tokens=2,
+                                                         total_tokens=42))]))
+    async with make_bus(backend, servers) as bus:
+        local = Agent(name="a-1", handoffs=[remote_agent(bus, "a-1", "b-1", name="b-1")],
+                      model=ScriptedModel([ModelStep(output=[function_call("transfer_to_b_1", {}, call_id="h1")],
+                                                     usage=Usage(requests=1, input_tokens=10, output_tokens=1,
+                                                                 total_tokens=11))]))
+        async with serving(bus, SdkAgent(remote_sdk, agent_id="b-1")):
+            with anyio.fail_after(20):
+                result = await Runner.run(local, "hello")
+    usage = result.context_wrapper.usage
+    assert result.final_output == "done"
+    assert (usage.requests, usage.input_tokens, usage.output_tokens, usage.total_tokens) == (2, 50, 3, 53)

@@ -15,7 +15,9 @@ the result. The alternative, an agent-as-tool, would not carry the conversation 
 
 **An SDK agent as a handoffbus worker.** ``SdkAgent(agent)`` serves an SDK ``Agent``:
 each handoff's context becomes the run's input, and the run's final output is the
-COMPLETED result (``{"output": ..., "agent": <last agent>}``). From the command line:
+COMPLETED result (``{"output": ..., "agent": <last agent>, "usage": {requests, input_tokens,
+output_tokens, total_tokens}}``); a remote agent's model reports that usage to the run that
+handed to it, so its tokens count where the handoff was made. From the command line:
 ``handoffbus worker --openai-agent module:attribute``, where the attribute is an SDK
 ``Agent``; add ``=agent-id`` to name it on the bus.
 """
@@ -198,7 +200,10 @@ class RemoteAgentModel:
         message = ResponseOutputMessage(id=f"hb-{handle.handoff_id}", type="message", role="assistant",
                                         status="completed", content=[ResponseOutputText(
                                             text=text, type="output_text", annotations=[], logprobs=[])])
-        return ModelResponse(output=[message], usage=Usage(), response_id=None)
+        usage = Usage()
+        for name, value in _usage_counts(result.get("usage") if isinstance(result, dict) else None).items():
+            setattr(usage, name, value)  # the remote run's cost, counted in this run's usage
+        return ModelResponse(output=[message], usage=usage, response_id=None)
 
     def stream_response(self, *args: Any, **kwargs: Any) -> Any:
         raise HandoffbusError("a remote agent answers whole: run it with Runner.run, not run_streamed")
@@ -211,6 +216,18 @@ def remote_agent(bus: HandoffBus, from_agent: str, to_agent: str, *, name: str |
     model_class = type("RemoteAgentModel", (RemoteAgentModel, _model_base()), {})
     return sdk.Agent(name=name or to_agent, handoff_description=handoff_description or f"the {to_agent} agent",
                      model=model_class(bus, from_agent, to_agent, **model_options))
+
+
+#: the token counts an SdkAgent's result reports, for the run that handed to it (its cost)
+USAGE_FIELDS = ("requests", "input_tokens", "output_tokens", "total_tokens")
+
+
+def _usage_counts(spent: Any) -> dict[str, int]:
+    """The remote run's token counts, as its result reported them (none from another agent)."""
+    if not isinstance(spent, dict):
+        return {}
+    return {name: value for name in USAGE_FIELDS
+            if type(value := spent.get(name)) is int and value >= 0}
 
 
 class SdkAgent(Agent):
@@ -230,5 +247,7 @@ class SdkAgent(Agent):
         finally:
             _serving.reset(serving)
         output = result.final_output
+        usage = result.context_wrapper.usage
         return {"output": output if isinstance(output, str | int | float | bool | None) else str(output),
-                "agent": result.last_agent.name}
+                "agent": result.last_agent.name,
+                "usage": {name: getattr(usage, name) for name in USAGE_FIELDS}}
