@@ -14,7 +14,14 @@ import msgspec
 import pytest
 
 from handoffbus import HandoffContext, RouteRefused, deserialize_context, serialize_context
-from handoffbus.policies import RESOLUTION_KEY, HandoffPolicy, Scenario, ScenarioError, sanitize_shared_context
+from handoffbus.policies import (
+    RESOLUTION_KEY,
+    HandoffPolicy,
+    HandoffService,
+    Scenario,
+    ScenarioError,
+    sanitize_shared_context,
+)
 from handoffbus.workers import Agent, ReceivedHandoff
 
 from .conftest import make_bus
@@ -336,3 +343,41 @@ async def test_a_specialist_hands_back_along_the_scenarios_return_edge(backend: 
                                     metadata={"hb.hops": ["Concierge", "InvestmentAdvisor"] * 2})
     with pytest.raises(RouteRefused, match="CYCLE"):  # a third visit: past max_visits, even on its route
         policy.check(third)
+
+
+# ---------------------------------------------------------------------- the accelerator's HandoffService
+
+
+def test_the_handoff_service_answers_as_the_accelerators_does() -> None:
+    """seed 004's own tests of HandoffService, and what its resolution carries."""
+    service = HandoffService(Scenario.load(BANKING), session_id="test-session")
+    resolution = service.resolve_handoff(source_agent="Concierge", target_agent="InvestmentAdvisor",
+                                         handoff_reason="User wants investment advice")
+    assert resolution.success and resolution.target_agent == "InvestmentAdvisor" and resolution.is_discrete
+    assert not service.resolve_handoff(source_agent="Concierge", target_agent="NonExistentAgent",
+                                       handoff_reason="Test").success
+    assert service.resolve_handoff("Concierge", "AuthAgent", "").is_announced
+    assert service.resolve_handoff("Concierge", "InvestmentAdvisor", "").is_discrete
+    assert service.is_handoff("handoff_to_agent") and not service.is_handoff("get_balance")
+    assert service.get_handoff_target("Concierge", "AuthAgent") == "AuthAgent"
+    assert service.get_handoff_target("AuthAgent", "InvestmentAdvisor") is None
+    # what the target's prompt gets: the route's context_vars, rendered, beside the session's state
+    investing = service.resolve_handoff(
+        "Concierge", "InvestmentAdvisor", "wants a portfolio review", user_last_utterance="review my portfolio",
+        session={"profile": {"investment_tier": "gold", "name": "ada"}}, session_profile={"name": "ada"},
+        handoff_context={"topic": "portfolio", "tool_name": "handoff_to_agent", "_internal": 1})
+    assert investing.system_vars["portfolio_focus"] == "gold" and investing.system_vars["greeting_name"] == "ADA"
+    assert investing.system_vars["handoff_reason"] == "wants a portfolio review"
+    assert investing.system_vars["user_last_utterance"] == "review my portfolio"
+    assert investing.system_vars["session_profile"] == {"name": "ada"}
+    assert investing.system_vars["handoff_context"] == {"topic": "portfolio"}  # control flags sanitised out
+    assert investing.system_vars["session_id"] == "test-session"
+    assert investing.share_context and not investing.greet_on_switch and investing.greeting is None
+    auth = service.resolve_handoff("Concierge", "AuthAgent", "verify", visited=["Concierge", "AuthAgent"])
+    assert auth.greet_on_switch and auth.greeting == "Let's finish verifying your identity."  # a return visit
+    # greetings: first visit, return visit, a handoff that brings its context, an override
+    assert service.select_greeting("AuthAgent") == "I need to verify your identity before we continue."
+    assert service.select_greeting("AuthAgent", is_return=True) == "Let's finish verifying your identity."
+    assert service.select_greeting("AuthAgent", with_context=True) is None
+    assert service.select_greeting("AuthAgent", handoff_type="discrete") is None
+    assert service.select_greeting("AuthAgent", with_context=True, override="Hello") == "Hello"

@@ -6,6 +6,8 @@
 - ``tools.py``: ``handoff_to_agent`` and ``transfer_to_<agent>`` tool schemas, and tool calls
   turned into requests.
 - ``policy.py``: ``HandoffPolicy``, what a bus applies to every request before it is queued.
+- ``service.py``: ``HandoffService``, the same answers for an orchestrator that switches agents
+  itself (the voice-agent accelerator's API).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from .scenario import Route as Route
 from .scenario import Scenario as Scenario
 from .scenario import ScenarioError as ScenarioError
 from .scenario import sanitize_shared_context as sanitize_shared_context
+from .service import HandoffService as HandoffService
+from .service import ServiceResolution as ServiceResolution
 from .tools import HANDOFF_TOOL as HANDOFF_TOOL
 from .tools import ToolCallError as ToolCallError
 from .tools import TransferTarget as TransferTarget
@@ -38,7 +42,8 @@ from .tools import transfer_tools as transfer_tools
 
 __all__ = [
     "HANDOFF_TOOL", "HOPS_KEY", "RESOLUTION_KEY", "RETURN_KEY", "AgentProfile", "ContextPolicy", "HandoffPolicy",
-    "HandoffResolution", "InvalidHook", "Route", "Scenario", "ScenarioError", "ToolCallError", "TransferTarget",
+    "HandoffResolution", "HandoffService", "InvalidHook", "Route", "Scenario", "ScenarioError", "ServiceResolution",
+    "ToolCallError", "TransferTarget",
     "apply_context_policy", "check_hops", "handoff_tool", "hops_of", "offload", "remove_all_tools",
     "request_from_tool_call", "restore", "sanitize_shared_context", "transfer_tool_name", "transfer_tools",
 ]
