@@ -81,11 +81,12 @@ class HandoffContext(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HandoffContext:
-        """Build from a plain mapping; all three keys are required, as in the JSON Schema."""
-        missing = [k for k in ("conversation_history", "tool_state", "metadata") if k not in data]
-        if missing:
-            raise DecodeError(f"context is missing required keys: {', '.join(missing)}")
-        history, tool_state, metadata = data["conversation_history"], data["tool_state"], data["metadata"]
+        """Build from a plain mapping. A key left out is empty, as sw4rm's ``from_dict`` has it
+        (the bytes ``deserialize_context`` reads must hold all three, as the JSON Schema says)."""
+        if not isinstance(data, Mapping):
+            raise DecodeError(f"a context must be a mapping, not {type(data).__name__}")
+        history, tool_state = data.get("conversation_history", []), data.get("tool_state", {})
+        metadata = data.get("metadata", {})
         if not isinstance(history, list) or not all(isinstance(e, Mapping) for e in history):
             raise DecodeError("conversation_history must be a list of objects")
         if not isinstance(tool_state, dict) or not isinstance(metadata, dict):

@@ -191,3 +191,17 @@ def test_a_lone_surrogate_reads_back_as_sw4rm_reads_it() -> None:
         assert data != ours
         with pytest.raises(DecodeError):
             deserialize_context(data)
+
+
+def test_from_dict_leaves_out_what_sw4rm_leaves_out() -> None:
+    """sw4rm's HandoffContext.from_dict defaults each key; ported code that builds a context
+    from its metadata alone raised DecodeError. The wire stays strict (all three keys)."""
+    context = HandoffContext.from_dict({"metadata": {"ticket": "T-1"}})
+    assert context == HandoffContext(metadata={"ticket": "T-1"})
+    assert Sw4rmContext.from_dict({"metadata": {"ticket": "T-1"}}).to_dict() == context.to_dict()
+    with pytest.raises(DecodeError):
+        HandoffContext.from_dict({"tool_state": []})
+    with pytest.raises(DecodeError):
+        HandoffContext.from_dict(["not", "a", "mapping"])  # type: ignore[arg-type]
+    with pytest.raises(DecodeError):
+        deserialize_context(b'{"metadata":{}}')
