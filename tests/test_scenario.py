@@ -161,13 +161,18 @@ def test_handoff_conditions_become_instructions() -> None:
     assert banking().instructions("CardRecommendation") == ""  # its route has no condition
 
 
-def test_control_flags_are_sanitised_out_of_the_top_level_only() -> None:
+def test_control_flags_are_sanitised_out_of_the_top_level_and_a_handoff_context() -> None:
     shared = {"handoff_reason": "r", "greet_on_switch": True, "_internal": 1, "hb.hops": ["x"],
               "should_interrupt_playback": True, "session_overrides": {"greeting": "hi"}, "handoff_summary": "s",
               "profile": {"name": "ada", "_id": 7, "nested": [{"tool_name": "lookup", "ok": 1}]}}
     # the voice-agent service's flags go too; the same names inside the data are the data
     assert sanitize_shared_context(shared) == {
         "handoff_reason": "r", "profile": {"name": "ada", "_id": 7, "nested": [{"tool_name": "lookup", "ok": 1}]}}
+    # a handoff tool's result, carried as handoff_context, is sanitised as the service does it
+    tool_result = {"handoff_context": {"success": True, "target_agent": "x", "topic": "fraud",
+                                       "detail": {"success": "data"}}, "profile": {"success": 1}}
+    assert sanitize_shared_context(tool_result) == {
+        "handoff_context": {"topic": "fraud", "detail": {"success": "data"}}, "profile": {"success": 1}}
 
 
 # ---------------------------------------------------------------------- on the bus

@@ -253,7 +253,17 @@ def _sandbox() -> Any:
 
 def sanitize_shared_context(shared: Mapping[str, Any]) -> dict[str, Any]:
     """A shared context without the keys that steer the handoff itself (``CONTROL_KEYS``, and
-    any key starting with ``_`` or ``hb.``). Top level only: the flags sit beside the data, and
-    the same names inside it (a call's ``tool_name``, a record's ``_id``) are the data."""
+    any key starting with ``_`` or ``hb.``). Top level only, and that of a ``handoff_context``
+    it holds (a handoff tool's result, which the voice-agent service sanitises): the flags sit
+    beside the data, and the same names inside it (a call's ``tool_name``, a record's ``_id``)
+    are the data."""
+    out = _without_flags(shared)
+    inner = out.get("handoff_context")
+    if isinstance(inner, Mapping):
+        out["handoff_context"] = _without_flags(inner)
+    return out
+
+
+def _without_flags(shared: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in shared.items()
             if not (isinstance(k, str) and (k in CONTROL_KEYS or k.startswith(("_", "hb."))))}
