@@ -453,6 +453,14 @@ def test_a_bad_url_or_port_is_a_usage_error_not_a_traceback() -> None:
         assert result.exit_code == 2 and said in result.output, (args, result.output, result.exception)
 
 
+def test_demo_cluster_says_where_the_url_it_refuses_came_from() -> None:
+    runner = CliRunner()
+    given = runner.invoke(app, ["demo", "--cluster", "--redis-url", "redis://127.0.0.1:1/0"])
+    assert given.exit_code == 2 and "give it no --redis-url" in given.stderr
+    from_env = runner.invoke(app, ["demo", "--cluster"], env={"HANDOFFBUS_REDIS_URL": "redis://127.0.0.1:1/0"})
+    assert from_env.exit_code == 2 and "HANDOFFBUS_REDIS_URL" in from_env.stderr, from_env.stderr
+
+
 def test_a_demo_that_cannot_start_says_why_in_one_line(servers: dict) -> None:
     runner = CliRunner()
     down = runner.invoke(app, ["demo", "--redis-url", "redis://127.0.0.1:1/0"])

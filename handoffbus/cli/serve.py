@@ -234,7 +234,8 @@ def demo(
     if agents < 1 or handoffs < 0:
         usage_error("--agents must be at least 1 and --handoffs not negative")
     if cluster and url:
-        usage_error("--cluster starts an embedded cluster: give it no --redis-url")
+        given = "--redis-url" if opts.redis_url else "HANDOFFBUS_REDIS_URL (set in the environment)"
+        usage_error(f"--cluster starts an embedded cluster: give it no {given}")
 
     async def go() -> int:
         ok = False
