@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import deadletters, errors, tracing
 from .backoff import LOST_CONNECTION, Backoff, lost_connection
@@ -37,7 +36,6 @@ from .waiters import ResponseReader, Waiter
 
 if TYPE_CHECKING:
     from .bus import HandoffBus
-    from .keys import RecordKeys
 
 
 __all__ = ["HandoffClient"]
@@ -46,8 +44,6 @@ log = logging.getLogger("handoffbus")
 
 #: how often the calls that follow a new record are sent again when their replies were lost
 FOLLOW_TRIES = 4
-#: the longest a request waits, cancelled or not, for the replies of calls it sent
-SENT_WAIT = 30.0
 
 
 #: the status each signed transition writes
@@ -154,15 +150,55 @@ class HandoffClient:
                 follow = [bus.enqueue_call(request.to_agent, handoff_id, request.priority, bus.config.max_queued)]
             else:
                 follow = await self._route_calls(handoff_id, caps, request, fail_fast)
-            # once sent, the calls run whatever becomes of this caller: their replies are waited
-            # for, and what they need undone is, before a cancellation takes effect (else a record
-            # refused its queue entry would wait in no queue until its deadline). Bounded: a
-            # watched connection gives up after REPLY_WAIT, a cluster's connections may never.
-            with anyio.move_on_after(SENT_WAIT, shield=True) as sent:
-                code, status, reply = await self._create(
-                    request, handoff_id, keys, record_calls, follow, caps, resubmittable)
-            if sent.cancelled_caught:
-                raise RedisTimeoutError(f"no reply to the request of {handoff_id} within {SENT_WAIT:g} s")
+            if resubmittable:
+                # the caller's request id may name a handoff that exists: queue or route it only once
+                # the record says it is this request and still PENDING, never another request's (a
+                # conflict) nor a decided one (a worker could take it and run its work again)
+                replies = await bus.scripts_many(record_calls)
+                reply = replies[-1]
+                pending = not isinstance(reply, BaseException) and (
+                    int(reply[0]) == 1 or (int(reply[0]) == 0 and reply[1] == b"PENDING"))
+                followed = await bus.scripts_many(follow) if pending else []
+            else:
+                # a new request id: the record and its queue entry in one round trip, in this order; a
+                # crash between them leaves a PENDING record that expires at its deadline
+                replies = await bus.scripts_many([*record_calls, *follow])
+                reply, followed = replies[len(record_calls) - 1], replies[len(record_calls):]
+                if not isinstance(reply, BaseException) and int(reply[0]) == 1 and any(map(lost_connection, followed)):
+                    # the record stands, its queue entry's reply was lost with the connection: sent
+                    # again (enqueue and route are idempotent), not a failed request that a caller
+                    # would retry into a second handoff
+                    followed = await self._follow_again(keys.record, follow, followed)
+            for failed in replies[:len(record_calls)]:
+                if isinstance(failed, BaseException):
+                    if resubmittable and lost_connection(failed):  # it may stand: counted when resubmitted
+                        bus.tally.doubt(handoff_id, "request")
+                    raise failed
+            code = int(reply[0])
+            status = HandoffStatus(reply[1].decode()) if code >= 0 else None
+            if status is None and not request.to_agent and followed and followed[0] == 1:
+                # refused, nothing created: the route entry sent with it goes (pulled, an entry
+                # without a record is dropped too)
+                await bus.drop_routes([(caps, handoff_id)])
+            if status is not None:  # a refused record says why first: the calls after it failed for it
+                for failed in followed:
+                    if isinstance(failed, BaseException):
+                        raise failed
+            enqueued = followed[0] if request.to_agent and followed else None
+            if enqueued == 1 and bus.isolated is None and (
+                status is not HandoffStatus.PENDING
+                # joined: the record answered PENDING a round trip before the entry was added
+                or (code == 0 and await bus.redis.hget(keys.record, "status") != b"PENDING")
+            ):
+                # refused (nothing written), or decided already: take back the queue entry this call
+                # added (the queue only: an in-flight entry belongs to the worker handling it)
+                await bus.redis.zrem(bus.keys.target(request.to_agent).queue, handoff_id)
+            if status is None:
+                raise_for_code(code, handoff_id, self.agent_id, "request", None)
+            if enqueued == QUEUE_FULL:
+                if code == 1:  # created by this call: take it back (unless a resubmission joined it since)
+                    await bus.script("withdraw", keys.as_list(), [request.request_id])
+                raise_for_code(QUEUE_FULL, handoff_id, self.agent_id, "request", request.to_agent.encode())
             # a new handoff ("" for a routed one: counted by listeners, not in Redis), or one whose
             # creating call's reply was lost, found by its resubmission
             if bus.tally.made(handoff_id, "request", code):
@@ -186,64 +222,6 @@ class HandoffClient:
         except BaseException:
             reader.release(waiter)  # no handle came of this call (it failed, or was cancelled)
             raise
-
-    async def _create(
-        self, request: HandoffRequest, handoff_id: str, keys: RecordKeys, record_calls: list[Call],
-        follow: list[Call], caps: str, resubmittable: bool,
-    ) -> tuple[int, HandoffStatus | None, Any]:
-        """Send the record's calls and those that follow it, and undo what a refusal leaves
-        behind; raise for a refusal. The record reply's code and status, and the reply."""
-        bus = self._bus
-        if resubmittable:
-            # the caller's request id may name a handoff that exists: queue or route it only once
-            # the record says it is this request and still PENDING, never another request's (a
-            # conflict) nor a decided one (a worker could take it and run its work again)
-            replies = await bus.scripts_many(record_calls)
-            reply = replies[-1]
-            pending = not isinstance(reply, BaseException) and (
-                int(reply[0]) == 1 or (int(reply[0]) == 0 and reply[1] == b"PENDING"))
-            followed = await bus.scripts_many(follow) if pending else []
-        else:
-            # a new request id: the record and its queue entry in one round trip, in this order; a
-            # crash between them leaves a PENDING record that expires at its deadline
-            replies = await bus.scripts_many([*record_calls, *follow])
-            reply, followed = replies[len(record_calls) - 1], replies[len(record_calls):]
-            if not isinstance(reply, BaseException) and int(reply[0]) == 1 and any(map(lost_connection, followed)):
-                # the record stands, its queue entry's reply was lost with the connection: sent
-                # again (enqueue and route are idempotent), not a failed request that a caller
-                # would retry into a second handoff
-                followed = await self._follow_again(keys.record, follow, followed)
-        for failed in replies[:len(record_calls)]:
-            if isinstance(failed, BaseException):
-                if resubmittable and lost_connection(failed):  # it may stand: counted when resubmitted
-                    bus.tally.doubt(handoff_id, "request")
-                raise failed
-        code = int(reply[0])
-        status = HandoffStatus(reply[1].decode()) if code >= 0 else None
-        if status is None and not request.to_agent and followed and followed[0] == 1:
-            # refused, nothing created: the route entry sent with it goes (pulled, an entry
-            # without a record is dropped too)
-            await bus.drop_routes([(caps, handoff_id)])
-        if status is not None:  # a refused record says why first: the calls after it failed for it
-            for failed in followed:
-                if isinstance(failed, BaseException):
-                    raise failed
-        enqueued = followed[0] if request.to_agent and followed else None
-        if enqueued == 1 and bus.isolated is None and (
-            status is not HandoffStatus.PENDING
-            # joined: the record answered PENDING a round trip before the entry was added
-            or (code == 0 and await bus.redis.hget(keys.record, "status") != b"PENDING")
-        ):
-            # refused (nothing written), or decided already: take back the queue entry this call
-            # added (the queue only: an in-flight entry belongs to the worker handling it)
-            await bus.redis.zrem(bus.keys.target(request.to_agent).queue, handoff_id)
-        if status is None:
-            raise_for_code(code, handoff_id, self.agent_id, "request", None)
-        if enqueued == QUEUE_FULL:
-            if code == 1:  # created by this call: take it back (unless a resubmission joined it since)
-                await bus.script("withdraw", keys.as_list(), [request.request_id])
-            raise_for_code(QUEUE_FULL, handoff_id, self.agent_id, "request", request.to_agent.encode())
-        return code, status, reply
 
     async def _follow_again(self, record: str, follow: list[Call], followed: list[Any]) -> list[Any]:
         """The calls that follow a new record, sent again with backoff while their replies are

@@ -118,30 +118,6 @@ async def test_the_request_says_why_before_a_full_queue_does(backend: str, serve
         assert await alice.get_handoff_status("alice/r3") is None
 
 
-async def test_a_request_cancelled_on_its_way_to_a_full_queue_leaves_no_record(backend: str, servers: dict) -> None:
-    """The caller was cancelled while it waited for its calls' replies: the calls ran (the
-    record made, the queue entry refused for a full queue), and the withdrawal that a full
-    queue calls for never did. A PENDING handoff in no queue held a place under max_pending
-    until its deadline, its id known to no one."""
-    async with make_bus(backend, servers, max_queued=1) as bus:
-        alice = bus.client("alice")
-        await alice.request_handoff(req("alice", "bob", timeout=600))  # bob's queue is full now
-        scripts_many = bus.scripts_many
-        with anyio.CancelScope() as scope:
-
-            def cancelled_on_the_way(calls: list[tuple[str, list[str], list[Any]]]) -> Any:
-                if calls[0][0] == "request":
-                    scope.cancel()  # delivered at the next wait: for the replies of the calls sent
-                return scripts_many(calls)
-
-            bus.scripts_many = cancelled_on_the_way  # type: ignore[method-assign]
-            with pytest.raises(QueueFull):  # answered, and undone, before the cancellation took effect
-                await alice.request_handoff(req("alice", "bob", timeout=600))
-        bus.scripts_many = scripts_many  # type: ignore[method-assign]
-        assert await bus.redis.zcard(bus.keys.target("bob").queue) == 1
-        assert await bus.redis.zcard(bus.keys.deadlines("alice")) == 1  # the refused one's record withdrawn
-
-
 async def test_a_resubmission_that_joined_a_handoff_keeps_it_when_its_creator_withdraws(
     backend: str, servers: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
