@@ -337,6 +337,24 @@ def held_lines(bus: HandoffBus) -> tuple[list[HeldLine], anyio.Event]:
     return lines, reading
 
 
+async def _r1_finished_and_gone_while_the_reader_lags(bus: HandoffBus, reason: str) -> HeldLine:
+    """alice's r1 (``reason``) ACCEPTED and COMPLETED by bob ("old result"), and its record gone
+    (what record_retention's TTL does), while alice's reader holds ACCEPTED, not yet passed on:
+    its held line is returned, to be released."""
+    alice, bob = bus.client("alice"), bus.client("bob")
+    lines, reading = held_lines(bus)
+    await alice.request_handoff(req("alice", "bob", request_id="r1", reason=reason))
+    await reading.wait()
+    [line] = lines
+    line.holding = True
+    await bob.accept_handoff("alice/r1")
+    await line.held.wait()
+    await bob.complete_handoff("alice/r1", result="old result")
+    keys = bus.keys.record("alice", "r1")
+    await bus.redis.delete(keys.record, keys.envelope)
+    return line
+
+
 @pytest.mark.parametrize("caught_up", ["after the request", "while the request is on its way"])
 async def test_a_request_id_used_again_hears_only_its_own_handoff(
     real_backend: str, servers: Servers, caught_up: str
@@ -346,16 +364,7 @@ async def test_a_request_id_used_again_hears_only_its_own_handoff(
     whether the reader passes them on before or after the request returns."""
     async with make_bus(real_backend, servers) as bus:
         alice, bob = bus.client("alice"), bus.client("bob")
-        lines, reading = held_lines(bus)
-        await alice.request_handoff(req("alice", "bob", request_id="r1", reason="first"))
-        await reading.wait()
-        [line] = lines
-        line.holding = True
-        await bob.accept_handoff("alice/r1")
-        await line.held.wait()  # the reader has ACCEPTED in hand, not yet passed on
-        await bob.complete_handoff("alice/r1", result="old result")
-        keys = bus.keys.record("alice", "r1")
-        await bus.redis.delete(keys.record, keys.envelope)  # what record_retention's TTL does
+        line = await _r1_finished_and_gone_while_the_reader_lags(bus, "first")
         scripts_many = bus.scripts_many
 
         async def lag_ends_on_the_way(calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
@@ -391,16 +400,7 @@ async def test_a_reused_request_id_joined_here_hears_only_its_own_handoff(
     and the old r1's COMPLETED, passed on late, was taken for the new one's outcome."""
     async with make_bus(server, servers) as bus, make_bus(server, servers, prefix=bus.config.prefix) as elsewhere:
         alice, bob = bus.client("alice"), bus.client("bob")
-        lines, reading = held_lines(bus)
-        await alice.request_handoff(req("alice", "bob", request_id="r1", reason="same"))
-        await reading.wait()
-        [line] = lines
-        line.holding = True
-        await bob.accept_handoff("alice/r1")
-        await line.held.wait()  # the reader has ACCEPTED in hand, not yet passed on
-        await bob.complete_handoff("alice/r1", result="old result")
-        keys = bus.keys.record("alice", "r1")
-        await bus.redis.delete(keys.record, keys.envelope)  # what record_retention's TTL does
+        line = await _r1_finished_and_gone_while_the_reader_lags(bus, "same")
         await elsewhere.client("alice").request_handoff(req("alice", "bob", request_id="r1", reason="same"))
         if how == "resubmitted":
             handle = await alice.request_handoff(req("alice", "bob", request_id="r1", reason="same"))
