@@ -5,9 +5,9 @@
 | PENDING | ``submitted`` | queued, not yet accepted |
 | ACCEPTED | ``working`` | an agent holds it |
 | COMPLETED | ``completed`` | |
-| REJECTED | ``rejected`` | the rejection code and reason go in the status message's metadata |
+| REJECTED | ``rejected`` | the rejection code and reason go in the task's metadata |
 | CANCELLED | ``canceled`` | |
-| FAILED | ``failed`` | |
+| FAILED | ``failed`` | the error goes in the task's metadata |
 | EXPIRED | ``failed`` | A2A has no expiry: ``metadata["handoffbus.status"] = "EXPIRED"`` and the reason say so |
 
 ``a2a_task`` gives a completed handoff's result as one artifact part: a dict as a ``data``
@@ -15,8 +15,8 @@ part, ``bytes`` as a ``file`` part (base64, ``application/octet-stream``), a str
 part, and any other value as a ``text`` part of JSON (``metadata.mimeType`` says
 ``application/json``). A2A's JSON has no bytes: bytes inside a dict or list go as base64
 strings, and the part's ``metadata["handoffbus.base64"]`` lists where (JSON Pointers). A
-result JSON cannot hold otherwise (a NaN, a datetime, a key that is not text) raises
-``EncodeError``.
+result JSON cannot hold otherwise (a NaN, a datetime, a key that is not text, two keys that
+are the same as text, such as ``7`` and ``"7"``) raises ``EncodeError``.
 
 ``agent_card`` describes a registered agent as an A2A Agent Card: each capability is a
 skill. handoffbus has no HTTP endpoint of its own, so the caller gives the URL at which it
@@ -96,8 +96,21 @@ def _result_part(handoff_id: str, result: Any) -> dict[str, Any]:
     metadata: dict[str, Any] = {"handoffbus.base64": found} if found else {}
     if isinstance(result, dict):
         # read back from the JSON, so the part is exactly what is sent (int keys become text)
-        return {"kind": "data", "data": json.loads(text), **({"metadata": metadata} if metadata else {})}
+        try:
+            data = json.loads(text, object_pairs_hook=_distinct_keys)
+        except ValueError as exc:
+            raise EncodeError(f"the result of handoff {handoff_id!r} cannot be given as A2A JSON: {exc}") from None
+        return {"kind": "data", "data": data, **({"metadata": metadata} if metadata else {})}
     return {"kind": "text", "text": text, "metadata": {"mimeType": "application/json", **metadata}}
+
+
+def _distinct_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys all differ: an int key and a str key of the same text would both be
+    written, and one value silently lost on reading."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("two keys are the same as text (an int key beside its text?)")
+    return out
 
 
 def a2a_task(record: HandoffRecord) -> dict[str, Any]:

@@ -190,8 +190,9 @@ def test_bytes_inside_a_result_go_as_base64_and_the_part_says_where() -> None:
     assert json.loads(listed["text"]) == [{"blob": "/w=="}]
 
 
-@pytest.mark.parametrize("result", [float("nan"), {"at": datetime(2026, 1, 2, tzinfo=UTC)}, {b"key": 1}],
-                         ids=["nan", "datetime", "bytes-key"])
+@pytest.mark.parametrize("result", [float("nan"), {"at": datetime(2026, 1, 2, tzinfo=UTC)}, {b"key": 1},
+                                    {7: b"k", "7": "v"}, {"x": {1: 1, "1": 2}}],
+                         ids=["nan", "datetime", "bytes-key", "keys-alike-as-text", "nested-keys-alike"])
 def test_a_result_json_cannot_hold_is_an_encode_error(result: Any) -> None:
     with pytest.raises(EncodeError, match="cannot be given as A2A JSON"):
         a2a_task(completed(result))
@@ -230,3 +231,44 @@ async def test_a_history_entry_that_is_no_message_is_a_typed_error() -> None:
         await apply_context_policy(odd)
     with pytest.raises(InvalidRequest, match="ConversationEntry or dict, not str"):
         remove_all_tools(odd)
+
+
+SURROGATE_SCENARIO = "name: s\nstart_agent: A\nagents: [A, B]\nhandoffs:\n - {from_agent: A, to_agent: B}\n"
+
+
+async def test_a_reason_with_a_lone_surrogate_is_a_tool_call_error() -> None:
+    """A JSON escape of half an emoji passed the tool call, and the request failed to encode
+    later (EncodeError), where the model never saw a tool error to correct."""
+    with pytest.raises(ToolCallError, match="lone surrogates"):
+        await request_from_tool_call("handoff_to_agent", '{"target_agent": "B", "reason": "refund \\ud83d"}',
+                                     from_agent="A", scenario=Scenario.from_yaml(SURROGATE_SCENARIO))
+
+
+async def test_offload_takes_text_ending_in_half_an_emoji_and_plain_dict_entries() -> None:
+    """offload encoded text strictly (UnicodeEncodeError on a lone surrogate, which a context
+    carries), and offload and restore read entries' attributes (AttributeError on the plain
+    dicts serialize_context and the context policies accept)."""
+    text = "\U0001f642" * 300 + "\ud83d"
+    contexts = [HandoffContext(conversation_history=[ConversationEntry(role="user", content=text)],
+                               tool_state={"note": text}),
+                HandoffContext(conversation_history=[{"role": "user", "content": "x" * 2000}])]  # type: ignore[list-item]
+    async with HandoffBus.memory(prefix="surrogate-blobs") as bus:
+        for context in contexts:
+            out = await offload(bus, "req", context, threshold=1000, ttl=60)
+            assert BLOB_REF.encode() in serialize_context(out)  # the long text went out of band
+            assert serialize_context(await restore(bus, out)) == serialize_context(context)
+
+
+async def test_remove_all_tools_drops_legacy_function_results() -> None:
+    """The legacy function-calling API answers a ``function_call`` with a ``function`` message:
+    the call went, its result (here an IBAN) crossed."""
+    context = HandoffContext(conversation_history=[
+        ConversationEntry(role="user", content="balance?"),
+        ConversationEntry.from_dict({"role": "assistant", "content": "",
+                                     "function_call": {"name": "balance", "arguments": "{}"}}),
+        ConversationEntry(role="function", name="balance", content='{"iban": "FR76 3000 6000 0112"}'),
+        ConversationEntry(role="assistant", content="It is 12 EUR."),
+    ])
+    assert [e.role for e in remove_all_tools(context).conversation_history] == ["user", "assistant"]
+    kept = await apply_context_policy(context, ContextPolicy(drop_tool_results=True))
+    assert "function" not in [e.role for e in kept.conversation_history]

@@ -27,6 +27,7 @@ from ..config import check_seconds
 from ..context import HandoffContext
 from ..errors import DecodeError, InvalidRequest
 from ..names import split_handoff_id
+from .context import entries_of
 
 if TYPE_CHECKING:
     from ..bus import HandoffBus
@@ -37,6 +38,9 @@ BLOB_REF = "$hb_blob"
 #: entries whose content went out of band say so in their extra fields
 ENTRY_REF = "hb.blob"
 _BLOB_REF_JSON = f'"{BLOB_REF}"'.encode()
+#: text may end in half an emoji (a lone surrogate), which a context carries (see context.py):
+#: stored as its three bytes, read back the same
+SURROGATES = "surrogatepass"
 
 
 def _ref(bus: HandoffBus, requester: str, data: bytes, kind: str, found: dict[str, bytes]) -> dict[str, Any]:
@@ -51,7 +55,7 @@ def _utf8_over(text: str, threshold: int) -> bytes | None:
     is in bytes, as the stored content is: a character may take up to four."""
     if len(text) * 4 <= threshold:  # cannot be over: spare encoding every short string
         return None
-    data = text.encode()
+    data = text.encode("utf-8", SURROGATES)
     return data if len(data) > threshold else None
 
 
@@ -77,7 +81,7 @@ async def offload(bus: HandoffBus, requester: str, context: HandoffContext, *, t
         return value
 
     history = []
-    for entry in context.conversation_history:
+    for entry in entries_of(context):
         content = _utf8_over(entry.content, threshold)
         if content is not None:
             ref = _ref(bus, requester, content, "str", found)
@@ -121,8 +125,9 @@ async def restore(bus: HandoffBus, context: HandoffContext, handoff_id: str | No
             for v in value:
                 collect(v)
 
+    entries = entries_of(context)
     collect(context.tool_state)
-    for entry in context.conversation_history:
+    for entry in entries:
         collect({"_": entry.extra.get(ENTRY_REF)})
     if not refs:
         return context
@@ -146,7 +151,7 @@ async def restore(bus: HandoffBus, context: HandoffContext, handoff_id: str | No
             raise DecodeError(f"the context's out-of-band content {ref[BLOB_REF]!r} is gone (expired or deleted)")
         if hashlib.sha256(data).hexdigest() != ref.get("sha256"):
             raise DecodeError(f"the context's out-of-band content {ref[BLOB_REF]!r} does not match its digest")
-        return data.decode() if ref.get("kind") == "str" else data
+        return data.decode("utf-8", SURROGATES) if ref.get("kind") == "str" else data
 
     def put_back(value: Any) -> Any:
         if isinstance(value, dict):
@@ -157,7 +162,7 @@ async def restore(bus: HandoffBus, context: HandoffContext, handoff_id: str | No
         return value
 
     history = []
-    for entry in context.conversation_history:
+    for entry in entries:
         ref = entry.extra.get(ENTRY_REF)
         if isinstance(ref, dict):
             extra = {k: v for k, v in entry.extra.items() if k != ENTRY_REF}

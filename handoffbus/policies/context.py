@@ -53,9 +53,11 @@ class ContextPolicy(msgspec.Struct, frozen=True, kw_only=True):
 
 #: the extra fields of a message that are its tool calls (chat completions, and its legacy form)
 _TOOL_CALL_FIELDS = ("tool_calls", "function_call")
+#: the roles of tool results: "tool", and the legacy function-calling API's "function"
+TOOL_RESULT_ROLES = frozenset({"tool", "function"})
 
 
-def _entries(context: HandoffContext) -> list[ConversationEntry]:
+def entries_of(context: HandoffContext) -> list[ConversationEntry]:
     """The history as entries: sw4rm-style plain dicts, which ``serialize_context`` accepts,
     are converted (``DecodeError`` if one is not a valid entry)."""
     entries = []
@@ -82,7 +84,8 @@ def _without_tool_calls(entry: ConversationEntry) -> ConversationEntry | None:
 def remove_all_tools(context: HandoffContext) -> HandoffContext:
     """An input filter: no tool calls, no tool results, no tool state. A message that made a
     tool call keeps its own text."""
-    kept = [e for e in map(_without_tool_calls, _entries(context)) if e is not None and e.role != "tool"]
+    kept = [e for e in map(_without_tool_calls, entries_of(context))
+            if e is not None and e.role not in TOOL_RESULT_ROLES]
     return msgspec.structs.replace(context, conversation_history=kept, tool_state={})
 
 
@@ -90,7 +93,7 @@ async def apply_context_policy(context: HandoffContext, policy: ContextPolicy | 
                                filters: Sequence[InputFilter] = ()) -> HandoffContext:
     """``context`` as the policy and then the filters let it cross."""
     policy = policy or ContextPolicy()
-    history = _entries(context)
+    history = entries_of(context)
     metadata: dict[str, Any] = dict(context.metadata)
     if not policy.preserve_history:
         # kept where they were: a system message after the last user message stays after it
@@ -100,7 +103,7 @@ async def apply_context_policy(context: HandoffContext, policy: ContextPolicy | 
     if not policy.transfer_system_message:
         history = [e for e in history if e.role != "system"]
     if policy.drop_tool_results:
-        history = [e for e in history if e.role != "tool"]
+        history = [e for e in history if e.role not in TOOL_RESULT_ROLES]
     if policy.max_history is not None:  # recorded whether it trims or not, as sw4rm's guidance does
         metadata["original_history_length"] = len(context.conversation_history)
         metadata["trimmed"] = len(history) > policy.max_history

@@ -160,6 +160,10 @@ async def request_from_tool_call(
     reason = args.get("reason", "")
     if not isinstance(reason, str):
         raise ToolCallError("reason must be a string")
+    try:
+        reason.encode()
+    except UnicodeEncodeError:  # a JSON escape of half an emoji: the request could not be sent
+        raise ToolCallError("reason must be text without lone surrogates (an emoji cut in half?)") from None
     if name == HANDOFF_TOOL:
         if scenario is None:
             raise ToolCallError(f"{HANDOFF_TOOL} is not available here")
