@@ -31,7 +31,7 @@ from .policies.context import without_history
 from .records import Made, response_from_reply
 from .routing import Call, Directory, capability_set, refusal_response, set_id
 from .scripts import STAGE_OVER, STAGED_TTL_MS
-from .signing import response_body
+from .signing import RESPONSE_VERSION, response_body
 from .waiters import ResponseReader, Waiter
 
 if TYPE_CHECKING:
@@ -311,7 +311,7 @@ class HandoffClient:
                 args += [key, value]
         if bus.keyring is not None and bus.keyring.can_sign(self.agent_id):
             sig = bus.keyring.sign(self.agent_id, "response", [handoff_id, SIGNED_STATUS[name], self.agent_id],
-                                   response_body(fields), await self._bus.now_ms())
+                                   response_body(fields), await self._bus.now_ms(), RESPONSE_VERSION)
             args += ["sig", sig]
             fields = {**fields, "sig": sig}
         if name == "reject":

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisClusterException
 
 from .cluster import ClusterClient, is_cluster
 from .errors import InvalidRequest
@@ -40,7 +41,9 @@ def make_client(url: str, max_connections: int | None, cluster: bool | None = No
         return _new_client(url, max_connections, cluster)
     except InvalidRequest:
         raise
-    except ValueError as exc:  # redis-py's own word on the URL: a port out of range, a bad option
+    except (ValueError, TypeError, RedisClusterException) as exc:
+        # redis-py's own word on the URL: a port out of range, a bad option (a cluster client
+        # takes options as keywords: TypeError), a database or no node for a cluster
         raise InvalidRequest(f"not a usable Redis URL: {exc}") from None
 
 

@@ -12,7 +12,7 @@ from .codecs import PayloadCodec
 from .errors import DecodeError, HandoffbusError, InvalidRequest
 from .models import HandoffRecord, HandoffRequest, HandoffResponse, HandoffStatus, HistoryEntry, RouteStep
 from .names import split_handoff_id
-from .signing import SIGNED_RESPONSE_FIELDS, Keyring, response_body, unsigned_response
+from .signing import SIGNED_RESPONSE_FIELDS, Keyring, response_body, signature_version, unsigned_response
 
 __all__ = ["RESPONSE_FIELDS", "Loaded", "Made", "loaded_from_row", "made_response", "poison_row", "record_from_hash",
            "response_from_fields", "response_from_reply", "text"]
@@ -251,5 +251,6 @@ def check_response(keyring: Keyring, handoff_id: str, f: Mapping[bytes, bytes]) 
     code = (f.get(b"code") or b"").decode(errors="replace")
     if unsigned_response(status, actor, code):
         return
-    body = response_body({name: f.get(name.encode()) for name in SIGNED_RESPONSE_FIELDS})
-    keyring.verify(f.get(b"sig"), actor, "response", [handoff_id, status, actor], body, 0, window=False)
+    sig = f.get(b"sig")
+    body = response_body({name: f.get(name.encode()) for name in SIGNED_RESPONSE_FIELDS}, signature_version(sig))
+    keyring.verify(sig, actor, "response", [handoff_id, status, actor], body, 0, window=False)

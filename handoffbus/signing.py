@@ -9,7 +9,14 @@ hook runs. A requester checks every response it reads; a response that fails rai
 What is signed (``canonical``): a version tag, the kind (``request`` or ``response``), the
 fields that say who asks whom for what, the signing time, a SHA-256 of the payload bytes
 exactly as stored, and the key id. Names never contain a newline (see names.py), so joining
-with newlines is unambiguous. The signature travels as ``v1.<key id>.<ms>.<hex>``.
+with newlines is unambiguous. The signature travels as ``<version>.<key id>.<ms>.<hex>``.
+
+A response's payload is its fields (``SIGNED_RESPONSE_FIELDS``). Version ``v2`` gives each
+its length; ``v1`` joined them with a separator that a field (a binary result, a reason)
+may itself hold, so text could move from one field to another under the same signature.
+Responses are signed ``v2``. A ``v1`` signature, made before, is believed only where no
+field holds the separator, which makes its fields unambiguous; requests are ``v1``, their
+payload being one field.
 
 Keys: each agent has one or more keys; a key signs for its own agent only, which is how a
 spoofed sender is caught. Rotation: list the new and the old key of an agent; the newest
@@ -28,29 +35,52 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
 
-from .errors import InvalidRequest, SignatureInvalid
+from .errors import EncodeError, InvalidRequest, SignatureInvalid
 
-__all__ = ["SIGNED_RESPONSE_FIELDS", "Keyring", "SigningKey", "canonical", "response_body", "unsigned_response"]
+__all__ = ["RESPONSE_VERSION", "SIGNED_RESPONSE_FIELDS", "Keyring", "SigningKey", "canonical", "response_body",
+           "signature_version", "unsigned_response"]
 
 VERSION = "v1"
+#: responses are signed with their fields length-prefixed (see above)
+RESPONSE_VERSION = "v2"
+_VERSIONS = frozenset({VERSION, RESPONSE_VERSION})
 _KEY_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+#: a signing time has at most this many digits (ms since the epoch has 13 until the year 2286)
+_AT_DIGITS = 15
 
 
 #: the response fields a signature covers, in this order (the owner, ``agent``, is the script's)
 SIGNED_RESPONSE_FIELDS = ("reason", "code", "retry", "redirect", "result", "error", "rmeta")
 
 
-def response_body(values: Mapping[str, object]) -> bytes:
-    """What a response signature's digest covers: its fields as stored, unit-separated."""
+def response_body(values: Mapping[str, object], version: str = RESPONSE_VERSION) -> bytes:
+    """What a response signature's digest covers: its fields as stored, each with its length
+    (``v2``), or unit-separated (``v1``, see above: ``SignatureInvalid`` where a field holds
+    the separator). ``EncodeError`` for text that is not UTF-8."""
     out = []
     for name in SIGNED_RESPONSE_FIELDS:
         value = values.get(name)
         if isinstance(value, str):
-            value = value.encode()
+            try:
+                value = value.encode()
+            except UnicodeEncodeError as exc:
+                raise EncodeError(f"the response's {name} is not UTF-8 text: {exc}") from None
         elif isinstance(value, int):
             value = str(value).encode()
         out.append(value if isinstance(value, bytes) else b"")
+    if version == RESPONSE_VERSION:
+        return b"".join(b"%d:%b" % (len(value), value) for value in out)
+    if any(b"\x1f" in value for value in out):
+        raise SignatureInvalid("a v1 response signature over a field holding its separator is ambiguous")
     return b"\x1f".join(out)
+
+
+def signature_version(signature: bytes | str | None) -> str:
+    """The version a signature names (before its first dot)."""
+    if not signature:
+        return ""
+    text = signature.decode(errors="replace") if isinstance(signature, bytes) else signature
+    return text.partition(".")[0]
 
 
 def unsigned_response(status: str, actor: str, code: str | None) -> bool:
@@ -71,14 +101,17 @@ class SigningKey(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if not _KEY_ID.fullmatch(self.key_id):
             raise InvalidRequest(f"invalid key id {self.key_id!r}: use letters, digits, '_-' (1-64)")
+        if not isinstance(self.secret, bytes):
+            raise InvalidRequest(f"key {self.key_id!r}: the secret must be bytes, not {type(self.secret).__name__}")
         if len(self.secret) < 32:
             raise InvalidRequest(f"key {self.key_id!r}: the secret must be at least 32 bytes")
 
 
-def canonical(kind: str, parts: Sequence[str], at_ms: int, body: bytes, key_id: str) -> bytes:
+def canonical(kind: str, parts: Sequence[str], at_ms: int, body: bytes, key_id: str,
+              version: str = VERSION) -> bytes:
     """The bytes an HMAC covers."""
     return "\n".join(
-        ["handoffbus", VERSION, kind, *parts, str(at_ms), hashlib.sha256(body).hexdigest(), key_id]
+        ["handoffbus", version, kind, *parts, str(at_ms), hashlib.sha256(body).hexdigest(), key_id]
     ).encode()
 
 
@@ -97,12 +130,13 @@ class Keyring:
     def can_sign(self, agent: str) -> bool:
         return agent in self._signing
 
-    def sign(self, agent: str, kind: str, parts: Sequence[str], body: bytes, at_ms: int) -> str:
+    def sign(self, agent: str, kind: str, parts: Sequence[str], body: bytes, at_ms: int,
+             version: str = VERSION) -> str:
         key = self._signing.get(agent)
         if key is None:
             raise InvalidRequest(f"no signing key for agent {agent!r}")
-        mac = hmac.new(key.secret, canonical(kind, parts, at_ms, body, key.key_id), hashlib.sha256)
-        return f"{VERSION}.{key.key_id}.{at_ms}.{mac.hexdigest()}"
+        mac = hmac.new(key.secret, canonical(kind, parts, at_ms, body, key.key_id, version), hashlib.sha256)
+        return f"{version}.{key.key_id}.{at_ms}.{mac.hexdigest()}"
 
     def verify(self, signature: bytes | str | None, signer: str, kind: str, parts: Sequence[str], body: bytes,
                now_ms: int, *, window: bool = True) -> None:
@@ -114,14 +148,16 @@ class Keyring:
         version, _, rest = text.partition(".")
         key_id, _, rest = rest.partition(".")
         at, _, digest = rest.partition(".")
-        if version != VERSION or not (at.isascii() and at.isdigit()) or len(digest) != 64:
+        if (version not in _VERSIONS or not (at.isascii() and at.isdigit()) or len(at) > _AT_DIGITS
+                or len(digest) != 64):
             raise SignatureInvalid("malformed signature")
         key = self._by_id.get(key_id)
         if key is None:
             raise SignatureInvalid(f"unknown key id {key_id!r}")
         if key.agent != signer:
             raise SignatureInvalid(f"spoofed sender: key {key_id!r} belongs to {key.agent!r}, not {signer!r}")
-        expected = hmac.new(key.secret, canonical(kind, parts, int(at), body, key_id), hashlib.sha256).hexdigest()
+        expected = hmac.new(key.secret, canonical(kind, parts, int(at), body, key_id, version),
+                            hashlib.sha256).hexdigest()
         if not hmac.compare_digest(expected.encode(), digest.encode()):  # bytes: a str must be ASCII
             raise SignatureInvalid("bad signature")
         if window and not now_ms - self.replay_window_ms <= int(at) <= now_ms + self.future_skew_ms:

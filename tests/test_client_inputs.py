@@ -104,3 +104,12 @@ async def test_text_that_is_not_utf8_fails_its_own_call_alone(bus: HandoffBus) -
 async def test_request_handoff_refuses_what_is_not_a_request_with_a_typed_error(bus: HandoffBus) -> None:
     with pytest.raises(InvalidRequest, match="expected HandoffRequest, got dict"):
         await bus.client("alice").request_handoff({"from_agent": "alice", "to_agent": "bob"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("url", ["redis+cluster://127.0.0.1:7000/3", "redis+cluster://127.0.0.1:7000?foo=1",
+                                 "redis+cluster://"], ids=["database", "unknown-option", "no-node"])
+def test_a_bad_cluster_url_is_an_invalid_request(url: str) -> None:
+    """A single server's URL said InvalidRequest; a cluster's let redis-py's RedisClusterException
+    (no RedisError) or TypeError out."""
+    with pytest.raises(InvalidRequest, match="not a usable Redis URL"):
+        HandoffBus.connect(url)

@@ -11,7 +11,17 @@ import anyio
 import msgspec
 import pytest
 
-from handoffbus import HandoffBus, HandoffRequest, HandoffStatus, Keyring, SignatureInvalid, SigningKey, Worker
+from handoffbus import (
+    EncodeError,
+    HandoffBus,
+    HandoffRequest,
+    HandoffStatus,
+    InvalidRequest,
+    Keyring,
+    SignatureInvalid,
+    SigningKey,
+    Worker,
+)
 from handoffbus.signing import response_body, unsigned_response
 from handoffbus.workers import Accept, Agent, ReceivedHandoff
 
@@ -193,7 +203,7 @@ async def test_responses_are_signed_and_a_forged_one_is_not_believed(
             await client.get_handoff_status(handle.handoff_id)
     assert outcome.status is HandoffStatus.COMPLETED and outcome.result == "ok"  # the worker's, not the forgery
     assert [f[b"status"] for f in entries] == [b"COMPLETED", b"COMPLETED", b"ACCEPTED", b"COMPLETED"]
-    assert all(f[b"sig"].startswith(b"v1.w-1.") for f in entries[2:])  # the worker's key signed both
+    assert all(f[b"sig"].startswith(b"v2.w-1.") for f in entries[2:])  # the worker's key signed both
     assert any("undecodable response" in r.getMessage() for r in caplog.records)
 
 
@@ -311,3 +321,51 @@ async def test_a_tampered_request_is_not_run_when_accepted_work_is_taken_over(re
             worker.drain()
     assert sorted(seen) == ["genuine", "genuine", "to be replaced"]  # never "tampered"
     assert [d.handoff_id for d in letters] == [forged.handoff_id] and "bad signature" in letters[0].reason
+
+
+async def test_a_signed_rejection_cannot_be_rewritten_into_a_redirect(real_bus: HandoffBus) -> None:
+    """v1 joined a response's fields with a separator a field may hold: text could move from
+    one field to another under the same signature (a reason's tail became a redirect)."""
+    real_bus.keyring = Keyring([SigningKey(key_id="r-1", agent="req", secret=os.urandom(32)),
+                                SigningKey(key_id="w-1", agent="watch-1", secret=os.urandom(32))])
+    handle = await real_bus.client("req").request_handoff(req("req", "watch-1"))
+    await real_bus.client("watch-1").reject_handoff(handle.handoff_id, "busy\x1f\x1f\x1fmallory")
+    record_key = real_bus.keys.record("req", handle.request_id).record
+    assert (await real_bus.redis.hget(record_key, "sig") or b"").startswith(b"v2.")
+    await real_bus.redis.hset(record_key, mapping={"reason": "busy", "redirect": "mallory", "error": "\x1f\x1f\x1f"})
+    with pytest.raises(SignatureInvalid):
+        await real_bus.client("req").get_handoff_status(handle.handoff_id)
+
+
+def test_a_v1_response_signature_stands_only_where_its_fields_are_unambiguous() -> None:
+    """Responses signed before v2 (unit-separated fields) are still believed, unless a field
+    holds the separator: then the same bytes could be other fields."""
+    ring = Keyring([SigningKey(key_id="w-1", agent="watch-1", secret=os.urandom(32))])
+    parts = ["req/x", "REJECTED", "watch-1"]
+    plain = {"reason": "busy", "code": "FULL"}
+    sig = ring.sign("watch-1", "response", parts, response_body(plain, "v1"), 0)
+    ring.verify(sig, "watch-1", "response", parts, response_body(plain, "v1"), 0, window=False)
+    mixed = {"reason": "busy\x1fx"}
+    with pytest.raises(SignatureInvalid, match="ambiguous"):
+        response_body(mixed, "v1")
+    assert response_body(mixed) != response_body({"reason": "busy", "code": "x"})  # v2: lengths tell them apart
+
+
+async def test_text_that_is_not_utf8_is_an_encode_error_with_a_keyring_too(real_bus: HandoffBus) -> None:
+    real_bus.keyring = Keyring([SigningKey(key_id="a-1", agent="alice", secret=os.urandom(32)),
+                                SigningKey(key_id="b-1", agent="bob", secret=os.urandom(32))])
+    handle = await real_bus.client("alice").request_handoff(req("alice", "bob"))
+    with pytest.raises(EncodeError):
+        await real_bus.client("bob").reject_handoff(handle.handoff_id, "cannot read " + os.fsdecode(b"/data/\xff.txt"))
+
+
+def test_a_signature_with_an_overlong_time_is_signature_invalid() -> None:
+    ring = Keyring([SigningKey(key_id="k-1", agent="req", secret=os.urandom(32))])
+    with pytest.raises(SignatureInvalid, match="malformed"):  # int() of 5,000 digits raised ValueError
+        ring.verify(f"v1.k-1.{'9' * 5000}.{'0' * 64}", "req", "response", ["req/x", "COMPLETED", "req"], b"", 0,
+                    window=False)
+
+
+def test_a_text_secret_is_refused_when_the_key_is_made() -> None:
+    with pytest.raises(InvalidRequest, match="must be bytes"):  # hmac raised TypeError at first use
+        SigningKey(key_id="k-1", agent="req", secret="s" * 32)  # type: ignore[arg-type]
