@@ -292,13 +292,12 @@ class ResponseReader:
                 self._bus.drop_reader(self._agent, self)
                 return
             trimmed = full = False
-            before = self._cursor
+            before = entry_position(self._cursor)
             for _stream, entries in stream_entries(reply):
                 # each XADD trims the stream below its time less the retention: one that far past
                 # the cursor may have trimmed entries this reader had yet to read (it lagged). A
                 # cursor of 0 is a stream that was empty when reading began: nothing read yet
-                cursor_ms = entry_position(self._cursor)[0]
-                if entries and 0 < cursor_ms < entry_position(entries[-1][0])[0] - retention_ms:
+                if entries and 0 < before[0] < entry_position(entries[-1][0])[0] - retention_ms:
                     trimmed = True
                 full = len(entries) >= READ_COUNT
                 for entry_id, fields in entries:
@@ -307,14 +306,14 @@ class ResponseReader:
                         self._dispatch(entry_fields(fields), entry_id)
                     except Exception:
                         log.exception("undecodable response %r on %s", entry_id, self._stream)
-            if full and not trimmed and entry_position(before)[0] > 0:
+            if full and not trimmed and before[0] > 0:
                 # more was waiting than one read takes, and entries past this read may have
                 # trimmed some of it (the check above sees as far as this read). Trimming takes
                 # the oldest first: nothing unread went if the stream still begins at or before
                 # where this read began.
                 try:
                     first = await self._bus.redis.xrange(self._stream, count=1)
-                    trimmed = bool(first) and entry_position(first[0][0]) > entry_position(before)
+                    trimmed = bool(first) and entry_position(first[0][0]) > before
                 except (RedisError, OSError):
                     trimmed = True  # not known: the records say
             if trimmed:  # what was trimmed is on the records

@@ -69,7 +69,22 @@ class Route(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     tool: str = ""
 
 
-class HandoffResolution(msgspec.Struct, frozen=True, kw_only=True):
+class ByHandoffType:
+    """``is_announced`` and ``is_discrete`` of a struct with a ``handoff_type`` field."""
+
+    __slots__ = ()
+    handoff_type: HandoffType
+
+    @property
+    def is_announced(self) -> bool:
+        return self.handoff_type == "announced"
+
+    @property
+    def is_discrete(self) -> bool:
+        return self.handoff_type == "discrete"
+
+
+class HandoffResolution(msgspec.Struct, ByHandoffType, frozen=True, kw_only=True):
     """What a scenario says of one handoff about to be made."""
 
     source_agent: str
@@ -80,14 +95,6 @@ class HandoffResolution(msgspec.Struct, frozen=True, kw_only=True):
     #: what the target says on arrival (None: it carries on without a greeting)
     greeting: str | None
     context_vars: dict[str, Any] = {}
-
-    @property
-    def is_announced(self) -> bool:
-        return self.handoff_type == "announced"
-
-    @property
-    def is_discrete(self) -> bool:
-        return self.handoff_type == "discrete"
 
 
 class Scenario(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -20,13 +20,13 @@ from typing import Any
 
 import msgspec
 
-from .scenario import HandoffType, Scenario, sanitize_shared_context
+from .scenario import ByHandoffType, HandoffType, Scenario, sanitize_shared_context
 from .tools import HANDOFF_TOOL
 
 __all__ = ["HandoffService", "ServiceResolution"]
 
 
-class ServiceResolution(msgspec.Struct, frozen=True, kw_only=True):
+class ServiceResolution(msgspec.Struct, ByHandoffType, frozen=True, kw_only=True):
     """What ``HandoffService.resolve_handoff`` says of one handoff (the accelerator's
     ``HandoffResolution``); ``success`` is False for a route the scenario does not have."""
 
@@ -41,14 +41,6 @@ class ServiceResolution(msgspec.Struct, frozen=True, kw_only=True):
     handoff_type: HandoffType = "announced"
     #: what the target says on arrival (``select_greeting`` for this handoff; None: nothing)
     greeting: str | None = None
-
-    @property
-    def is_discrete(self) -> bool:
-        return self.handoff_type == "discrete"
-
-    @property
-    def is_announced(self) -> bool:
-        return self.handoff_type == "announced"
 
 
 class HandoffService:
