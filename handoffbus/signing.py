@@ -134,7 +134,8 @@ class Keyring:
              version: str = VERSION) -> str:
         key = self._signing.get(agent)
         if key is None:
-            raise InvalidRequest(f"no signing key for agent {agent!r}")
+            raise InvalidRequest(f"this bus has no signing key of {agent!r}: what it writes for {agent!r} "
+                                 "could not be signed")
         mac = hmac.new(key.secret, canonical(kind, parts, at_ms, body, key.key_id, version), hashlib.sha256)
         return f"{version}.{key.key_id}.{at_ms}.{mac.hexdigest()}"
 

@@ -369,3 +369,21 @@ def test_a_signature_with_an_overlong_time_is_signature_invalid() -> None:
 def test_a_text_secret_is_refused_when_the_key_is_made() -> None:
     with pytest.raises(InvalidRequest, match="must be bytes"):  # hmac raised TypeError at first use
         SigningKey(key_id="k-1", agent="req", secret="s" * 32)  # type: ignore[arg-type]
+
+
+async def test_a_transition_that_cannot_be_signed_is_refused_before_it_is_written(real_bus: HandoffBus) -> None:
+    """On a signing bus, a decision written unsigned would be refused by its requester (which
+    raises SignatureInvalid) while the record moved on: the handoff would be ACCEPTED, or
+    ended, under a decision nobody believes. Refused before anything is written instead."""
+    real_bus.keyring = Keyring([SigningKey(key_id="a-1", agent="alice", secret=os.urandom(32))])
+    handle = await real_bus.client("alice").request_handoff(req("alice", "bob"))
+    with pytest.raises(InvalidRequest, match="no signing key of 'bob'"):
+        await real_bus.client("bob").accept_handoff(handle.handoff_id)
+    record = await real_bus.client("alice").get_handoff_status(handle.handoff_id)
+    assert record is not None and record.status is HandoffStatus.PENDING
+
+
+async def test_a_worker_without_its_agent_key_is_refused_at_once(real_bus: HandoffBus) -> None:
+    real_bus.keyring = Keyring([REQ_NEW])  # verifies requests, but cannot sign for watch-1
+    with pytest.raises(InvalidRequest, match="no signing key of 'watch-1'"):
+        Worker(real_bus, Watchful())
