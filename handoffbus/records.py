@@ -39,12 +39,14 @@ def _optional_text(value: bytes | None) -> str | None:
 
 
 def response_from_fields(
-    handoff_id: str, f: Mapping[bytes, bytes], codec: PayloadCodec, keyring: Keyring | None = None
+    handoff_id: str, f: Mapping[bytes, bytes], codec: PayloadCodec, keyring: Keyring | None = None,
+    appended_ms: int | None = None,
 ) -> HandoffResponse:
     """Build a response from stream-entry style fields (``ts`` is the transition's Redis time).
-    With a keyring, an agent's response must carry its actor's valid signature."""
+    With a keyring, an agent's response must carry its actor's valid signature (made within
+    the replay window of ``appended_ms``, its stream entry's time, when given)."""
     if keyring is not None:
-        check_response(keyring, handoff_id, f)
+        check_response(keyring, handoff_id, f, appended_ms)
     try:
         raw_status = f.get(b"status")
         if raw_status is None:  # absent, or a Lua false in a script reply
@@ -244,8 +246,12 @@ def check_request(keyring: Keyring, row: Sequence[Any], env: bytes) -> None:
     keyring.verify(sig, sender or "", "request", parts, env, int(created or 0) or int(now))
 
 
-def check_response(keyring: Keyring, handoff_id: str, f: Mapping[bytes, bytes]) -> None:
-    """Check a stored response's signature (raises SignatureInvalid)."""
+def check_response(keyring: Keyring, handoff_id: str, f: Mapping[bytes, bytes], appended_ms: int | None = None) -> None:
+    """Check a stored response's signature (raises SignatureInvalid). A response stream entry's
+    id is the server's time when it was appended, which no writer can set into the past: a
+    signature made longer than the replay window before it is an old response written again
+    (under a request id used once more, its earlier handoff's outcome would pass). ``ts`` is
+    no bound: any writer of the stream sets it."""
     status = (f.get(b"status") or b"").decode(errors="replace")
     actor = (f.get(b"actor") or b"").decode(errors="replace")
     code = (f.get(b"code") or b"").decode(errors="replace")
@@ -253,4 +259,5 @@ def check_response(keyring: Keyring, handoff_id: str, f: Mapping[bytes, bytes]) 
         return
     sig = f.get(b"sig")
     body = response_body({name: f.get(name.encode()) for name in SIGNED_RESPONSE_FIELDS}, signature_version(sig))
-    keyring.verify(sig, actor, "response", [handoff_id, status, actor], body, 0, window=False)
+    keyring.verify(sig, actor, "response", [handoff_id, status, actor], body, appended_ms or 0,
+                   window=appended_ms is not None)

@@ -238,7 +238,7 @@ class ResponseReader:
         waiter.heard = position
         try:
             # with a keyring a response without its actor's signature raises here: it is logged and not believed
-            response = response_from_fields(handoff_id, fields, self._bus.codec, self._bus.keyring)
+            response = response_from_fields(handoff_id, fields, self._bus.codec, self._bus.keyring, position[0])
         except HandoffbusError:
             waiter.nudge()  # its handles read the record now: it says what this entry could not (or raises)
             raise

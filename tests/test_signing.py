@@ -387,3 +387,30 @@ async def test_a_worker_without_its_agent_key_is_refused_at_once(real_bus: Hando
     real_bus.keyring = Keyring([REQ_NEW])  # verifies requests, but cannot sign for watch-1
     with pytest.raises(InvalidRequest, match="no signing key of 'watch-1'"):
         Worker(real_bus, Watchful())
+
+
+async def test_a_response_replayed_from_an_earlier_handoff_under_the_same_id_is_not_believed(
+    real_backend: str, servers: dict
+) -> None:
+    """A request id used again once its old record is gone: the old handoff's genuinely signed
+    outcome, written into the response stream again, named the new handoff and verified (a
+    response signature had no time bound). Now it must be signed within the replay window of
+    the transition it claims to be: an old one is logged and not believed."""
+    ring = Keyring([REQ_NEW, WORKER])
+    async with make_bus(real_backend, servers, keyring=ring) as bus:
+        handle = await bus.client("req").request_handoff(req("req", "watch-1", reason="again"))
+        # the earlier handoff's outcome, signed by the worker's real key ten minutes ago
+        old = {"result": bus.codec.dumps_value("the old result")}
+        signed_at = await bus.server_time_ms() - 600_000
+        sig = ring.sign("watch-1", "response", [handle.handoff_id, "COMPLETED", "watch-1"], response_body(old),
+                        signed_at, "v2")
+        await bus.redis.xadd(bus.keys.responses("req"), {
+            "id": handle.handoff_id, "status": "COMPLETED", "actor": "watch-1", "ts": str(signed_at + 3),
+            "agent": "watch-1", **old, "sig": sig})
+        async with anyio.create_task_group() as tg:
+            worker = Worker(bus, Watchful())
+            await tg.start(worker.run)
+            with anyio.fail_after(10):
+                outcome = await handle.outcome()
+            worker.drain()
+    assert outcome.result == "ok"  # the worker's own, not the replayed one
