@@ -407,10 +407,5 @@ async def test_a_response_replayed_from_an_earlier_handoff_under_the_same_id_is_
         await bus.redis.xadd(bus.keys.responses("req"), {
             "id": handle.handoff_id, "status": "COMPLETED", "actor": "watch-1", "ts": str(signed_at + 3),
             "agent": "watch-1", **old, "sig": sig})
-        async with anyio.create_task_group() as tg:
-            worker = Worker(bus, Watchful())
-            await tg.start(worker.run)
-            with anyio.fail_after(10):
-                outcome = await handle.outcome()
-            worker.drain()
+        [outcome], _ = await serve_until_done(bus, Watchful(), [handle])
     assert outcome.result == "ok"  # the worker's own, not the replayed one

@@ -94,7 +94,8 @@ class Worker:
         check_names(agent.capabilities, "capability")  # they go into the registry and routing as they are
         if bus.keyring is not None and not bus.keyring.can_sign(agent.agent_id):
             # every decision it wrote would be unsigned, and refused by its requester
-            raise InvalidRequest(f"this bus has no signing key of {agent.agent_id!r}: its decisions could not be signed")
+            raise InvalidRequest(f"this bus has no signing key of {agent.agent_id!r}: its decisions could not be "
+                                 "signed")
         self.bus = bus
         self.agent = agent
         self._log = AgentLog(agent.agent_id)
