@@ -10,10 +10,14 @@ from .codecs import DEFAULT_COMPRESS_THRESHOLD, DEFAULT_PAYLOAD_LIMIT, PayloadCo
 from .errors import InvalidRequest
 from .keys import DEFAULT_PREFIX
 
-__all__ = ["MAX_PRIORITY", "BusConfig", "check_seconds"]
+__all__ = ["MAX_PRIORITY", "MAX_SWEEP_BATCH", "BusConfig", "check_seconds"]
 
 #: Priorities run from -MAX_PRIORITY to MAX_PRIORITY (see lua/enqueue-5.lua for why).
 MAX_PRIORITY = 1000
+#: The largest sweep batch: the sweep script hands it to ZRANGEBYSCORE ... LIMIT as a Lua number,
+#: which Redis writes out in exponent form (an error) from 2^53 on; and one script call over
+#: millions of deadlines would stall the server.
+MAX_SWEEP_BATCH = 1_000_000
 #: The longest duration a setting may take: ten years, in seconds.
 MAX_SECONDS = 10 * 365 * 24 * 3600.0
 
@@ -72,6 +76,8 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
             least = 1 if name == "sweep_batch" else 0  # the caps: 0 is no cap
             if type(value) is not int or value < least:
                 raise InvalidRequest(f"{name} must be an int of at least {least}, not {value!r}")
+        if self.sweep_batch > MAX_SWEEP_BATCH:
+            raise InvalidRequest(f"sweep_batch must be at most {MAX_SWEEP_BATCH}, not {self.sweep_batch!r}")
         # the codec, payload_limit and compress_threshold: checked by the codec they make
         PayloadCodec(self.codec, compress_threshold=self.compress_threshold, limit=self.payload_limit)
 

@@ -3,6 +3,7 @@ and on one server a second client for the connections that are each held by one 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -11,7 +12,8 @@ from redis.exceptions import RedisClusterException
 from .cluster import ClusterClient, is_cluster
 from .errors import InvalidRequest
 
-__all__ = ["CLUSTER_MAX_CONNECTIONS", "CLUSTER_SCHEMES", "blocking_client", "cluster_url", "make_client"]
+__all__ = ["CLUSTER_MAX_CONNECTIONS", "CLUSTER_SCHEMES", "blocking_client", "cluster_url", "make_client",
+           "redact_url"]
 
 
 #: URL schemes that ask for a Redis Cluster client, and the plain scheme each stands for
@@ -19,6 +21,26 @@ CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 #: connections per node of a cluster client; redis-py's cluster client fails a command
 #: rather than wait for a free connection, and every blocking read holds one
 CLUSTER_MAX_CONNECTIONS = 512
+
+
+#: a password given as a URL option (redis-py passes unknown options on as keywords)
+_PASSWORD_OPTION = re.compile(r"(?i)([?&]password=)[^&#]*")
+_MASKED = r"\1***"
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit to print or log: the password of its user info, and a ``password=`` option,
+    shown as ``***`` (something without ``://`` and with an ``@``: all of it)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "***" if "@" in url else url
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    netloc, tail = rest[:end], rest[end:]
+    user, at, host = netloc.rpartition("@")
+    if at:
+        name, colon, _ = user.partition(":")
+        netloc = f"{name}{':***' if colon else ''}@{host}"
+    return f"{scheme}://{netloc}{_PASSWORD_OPTION.sub(_MASKED, tail)}"
 
 
 def cluster_url(url: str, cluster: bool | None) -> tuple[str, bool]:
@@ -32,7 +54,8 @@ def cluster_url(url: str, cluster: bool | None) -> tuple[str, bool]:
     if cluster and scheme.lower() == "unix":
         raise InvalidRequest("a Redis Cluster is reached over TCP (redis:// or rediss://), not a unix socket")
     if not sep or scheme.lower() not in ("redis", "rediss", "unix"):
-        raise InvalidRequest(f"not a Redis URL: {url!r} (use redis://, rediss://, unix://, or redis+cluster://)")
+        raise InvalidRequest(
+            f"not a Redis URL: {redact_url(url)!r} (use redis://, rediss://, unix://, or redis+cluster://)")
     return url, bool(cluster)
 
 

@@ -17,6 +17,7 @@ import anyio
 
 from .bus import HandoffBus
 from .client import HandoffClient
+from .connections import redact_url
 from .context import ConversationEntry, HandoffContext, serialize_context
 from .handle import HandoffHandle
 from .models import HandoffRequest, HandoffResponse, HandoffStatus
@@ -186,7 +187,7 @@ async def run(url: str | None = None, say: Callable[[str], None] = print,
     bus = HandoffBus.connect(url, prefix=prefix) if url else HandoffBus.embedded(cluster=cluster, prefix=prefix)
     async with bus:
         kind = "cluster of three primaries" if cluster else "server"
-        where = url or f"an embedded {kind} ({bus._server.binary if bus._server else ''})"
+        where = redact_url(url) if url else f"an embedded {kind} ({bus._server.binary if bus._server else ''})"
         say(f"handoffbus demo on {where}")
         if handoffs:
             return await load(bus, agents, handoffs, say) == handoffs

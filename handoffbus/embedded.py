@@ -33,6 +33,8 @@ __all__ = ["EmbeddedCluster", "EmbeddedServer", "find_server_binary"]
 
 #: number of hash slots of a Redis Cluster
 CLUSTER_SLOTS = 16384
+#: how long a started server has to answer a PING (seconds)
+READY_WAIT = 15.0
 
 
 #: the server settings deploy/README.md advises, which the embedded server runs with
@@ -130,23 +132,32 @@ class EmbeddedServer:
 
     async def wait_ready(self) -> None:
         assert self.process is not None
-        with anyio.fail_after(15.0):
-            while True:
-                if self.process.poll() is not None:
-                    log = (self.directory / "server.log") if self.directory else None
-                    detail = log.read_text()[-2000:] if log and log.exists() else ""
-                    raise HandoffbusError(f"embedded server exited with {self.process.returncode}: {detail}")
-                if self.socket_path.exists():
-                    try:
-                        stream = await anyio.connect_unix(str(self.socket_path))
-                    except OSError:
-                        pass
-                    else:
-                        async with stream:
-                            await stream.send(b"PING\r\n")
-                            if (await stream.receive()).startswith(b"+PONG"):
-                                return
-                await anyio.sleep(0.01)  # polling a child process that has no readiness signal
+        try:
+            with anyio.fail_after(READY_WAIT):
+                await self._poll_ready()
+        except TimeoutError:
+            raise HandoffbusError(f"embedded server {self.binary!r} did not answer within {READY_WAIT:g} s "
+                                  f"on {self.socket_path}") from None
+
+    async def _poll_ready(self) -> None:
+        assert self.process is not None
+        while True:
+            if self.process.poll() is not None:
+                log = (self.directory / "server.log") if self.directory else None
+                detail = log.read_text()[-2000:] if log and log.exists() else ""
+                raise HandoffbusError(f"embedded server exited with {self.process.returncode}: {detail}")
+            if self.socket_path.exists():
+                try:
+                    stream = await anyio.connect_unix(str(self.socket_path))
+                except OSError:
+                    pass
+                else:
+                    async with stream:
+                        await stream.send(b"PING\r\n")
+                        # -NOAUTH: up and answering, with a password (--requirepass in extra_args)
+                        if (await stream.receive()).startswith((b"+PONG", b"-NOAUTH")):
+                            return
+            await anyio.sleep(0.01)  # polling a child process that has no readiness signal
 
     def _terminate(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from .errors import InvalidName
-from .names import split_handoff_id
+from .names import split_handoff_id, stored_names
 from .plainreads import observe_replies
 from .records import text
 from .routing import serves
@@ -71,7 +71,7 @@ async def known_agents(bus: HandoffBus) -> list[str]:
         pipe.smembers(bus.keys.agents)
         pipe.smembers(bus.keys.targets)
         agents, targets = await pipe.execute()
-    return sorted(text(n) for n in agents | targets)
+    return stored_names(agents | targets, f"{bus.keys.agents} or {bus.keys.targets}")
 
 
 async def observe_agents(bus: HandoffBus, agents: Sequence[str] | None = None) -> list[AgentView]:

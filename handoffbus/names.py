@@ -7,13 +7,16 @@ characters are refused before anything reaches Redis.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from functools import lru_cache
 
 from .errors import InvalidName
 
-__all__ = ["MAX_NAME_LENGTH", "check_name", "check_names", "join_handoff_id", "split_handoff_id"]
+__all__ = ["MAX_NAME_LENGTH", "check_name", "check_names", "join_handoff_id", "split_handoff_id", "stored_names"]
+
+log = logging.getLogger("handoffbus")
 
 MAX_NAME_LENGTH = 128
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
@@ -37,6 +40,25 @@ def check_names(values: Iterable[object], what: str) -> tuple[str, ...]:
     except TypeError:  # not iterable at all (an int, None)
         raise InvalidName(f"{what} must be a list of names, not {type(values).__name__}") from None
     return tuple(sorted({check_name(v, what) for v in items}))
+
+
+#: members of the sets of names that are none, each logged once per process (a bounded few)
+_skipped: set[bytes] = set()
+
+
+def stored_names(members: Iterable[bytes], where: str) -> list[str]:
+    """The agent ids among ``members`` of the set ``where`` (agents, targets, requesters),
+    sorted. A member that is none (written by hand, or mangled) is skipped and logged once:
+    never one to stop a sweep, a monitor or a listing for all the others."""
+    found = []
+    for member in members:
+        try:
+            found.append(check_name(member.decode(), "agent id"))
+        except (UnicodeDecodeError, InvalidName):
+            if member not in _skipped and len(_skipped) < 1000:
+                _skipped.add(member)
+                log.warning("skipping %r in %s, which is not an agent id", member, where)
+    return sorted(found)
 
 
 def join_handoff_id(from_agent: str, request_id: str) -> str:

@@ -29,7 +29,7 @@ from . import errors
 from .config import MAX_PRIORITY
 from .errors import raise_for_code
 from .models import AgentInfo, HandoffResponse, HandoffStatus, WorkerInfo
-from .names import check_names, split_handoff_id
+from .names import check_names, split_handoff_id, stored_names
 from .records import response_from_reply, text
 from .registered import Registered
 from .wire import refuses_writes
@@ -160,7 +160,7 @@ class Directory:
 
     async def _fetch(self) -> list[AgentInfo]:
         bus = self._bus
-        return await self.of(sorted(m.decode() for m in await bus.redis.smembers(bus.keys.agents)))
+        return await self.of(stored_names(await bus.redis.smembers(bus.keys.agents), bus.keys.agents))
 
     async def of(self, agents: Sequence[str]) -> list[AgentInfo]:
         """Those of ``agents`` with a live worker, read now (not cached)."""

@@ -106,6 +106,9 @@ class SigningKey(msgspec.Struct, frozen=True, kw_only=True):
         if len(self.secret) < 32:
             raise InvalidRequest(f"key {self.key_id!r}: the secret must be at least 32 bytes")
 
+    def __repr__(self) -> str:  # a key in a log line or a traceback's locals must not show its secret
+        return f"SigningKey(key_id={self.key_id!r}, agent={self.agent!r}, secret=<{len(self.secret)} bytes>)"
+
 
 def canonical(kind: str, parts: Sequence[str], at_ms: int, body: bytes, key_id: str,
               version: str = VERSION) -> bytes:

@@ -20,7 +20,7 @@ from anyio.abc import TaskStatus
 from redis.exceptions import RedisClusterException, RedisError
 
 from .errors import HandoffbusError
-from .names import split_handoff_id
+from .names import split_handoff_id, stored_names
 from .plainreads import refuses_scripts
 from .routing import Reroute
 
@@ -55,7 +55,6 @@ class Sweeper:
         #: requesters whose sweep script failed at their last pass (each is logged once as a warning)
         self._failing: set[str] = set()
         #: members of the requesters set that are not text (each is logged once)
-        self._undecodable: set[bytes] = set()
 
     async def wait_pass(self) -> None:
         """Return when this bus finishes its next sweep pass (expiry and queue settlement)."""
@@ -137,14 +136,7 @@ class Sweeper:
             batch.clear()
 
         async for raw in bus.redis.sscan_iter(bus.keys.requesters, count=500):
-            try:
-                batch.append(raw.decode())
-            except UnicodeDecodeError:  # written by hand: no requester's, and never one to stop the sweep
-                if raw not in self._undecodable:
-                    self._undecodable.add(raw)
-                    log.warning("expiry sweep: skipping %r in %s, which is not an agent id", raw,
-                                bus.keys.requesters)
-                continue
+            batch += stored_names((raw,), bus.keys.requesters)
             if len(batch) >= 200:
                 await flush()
         if batch:

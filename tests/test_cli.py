@@ -532,3 +532,23 @@ def test_refresh_intervals_and_agent_ids_are_checked_before_anything_runs() -> N
     ]:
         result = runner.invoke(app, args)
         assert result.exit_code == 2 and said in result.output, (args, result.output)
+
+
+def test_a_password_in_the_redis_url_is_never_printed() -> None:
+    runner = CliRunner()
+    # a mistyped scheme in HANDOFFBUS_REDIS_URL: the usage error goes to the container's log
+    typo = runner.invoke(app, ["agents", "--redis-url", "redis+clustr://app:s3cret-pw@127.0.0.1:1/0"])
+    assert typo.exit_code == 2 and "not a Redis URL" in typo.output, typo.output
+    assert "s3cret-pw" not in typo.output, typo.output
+    server = start_server(SERVER_BINARIES["valkey"])
+    try:
+        import redis as sync_redis
+
+        with sync_redis.Redis(unix_socket_path=str(server.socket_path)) as admin:
+            admin.config_set("requirepass", "s3cret-pw")
+        demo = runner.invoke(app, ["--prefix", new_prefix(), "demo", "--redis-url",
+                                   f"redis://:s3cret-pw@127.0.0.1:{server.port}/0"])
+    finally:
+        server.stop()
+    assert demo.exit_code == 0 and "demo on redis://" in demo.output, demo.output
+    assert "s3cret-pw" not in demo.output, demo.output

@@ -439,6 +439,8 @@ async def test_only_the_files_are_loaded() -> None:
     {"sweep_lease": 0.0002},  # 0 ms: the lease script reads it as a release
     {"sweep_batch": 2.5}, {"max_queued": 1.5}, {"max_pending": float("nan")}, {"sweep_batch": True},
     {"max_queued": -1},
+    # past 2^53 the sweep script's LIMIT reaches Redis as "9.2233720368547758e+18": every sweep fails
+    {"sweep_batch": 2**63 - 1},
 ])
 def test_settings_that_would_break_the_bus_later_are_refused(settings: dict[str, Any]) -> None:
     with pytest.raises(InvalidRequest):

@@ -409,3 +409,10 @@ async def test_a_response_replayed_from_an_earlier_handoff_under_the_same_id_is_
             "agent": "watch-1", **old, "sig": sig})
         [outcome], _ = await serve_until_done(bus, Watchful(), [handle])
     assert outcome.result == "ok"  # the worker's own, not the replayed one
+
+
+def test_a_key_never_shows_its_secret() -> None:
+    secret = b"0123456789abcdef" * 2 + b"-the-secret"
+    key = SigningKey(key_id="k-1", agent="req", secret=secret)
+    shown = f"{key!r} {key} {Keyring([key])._by_id!r}"
+    assert "the-secret" not in shown and "secret=<43 bytes>" in shown

@@ -7,7 +7,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from handoffbus import HandoffBus, HandoffStatus
-from handoffbus.monitor import observe, observe_agents
+from handoffbus.monitor import known_agents, observe, observe_agents
 from handoffbus.stats import BUCKETS, AgentCounts, Tally, quantile
 
 from .agents import Echo, Faulty
@@ -276,3 +276,16 @@ async def test_a_request_whose_reply_was_lost_is_counted_once_when_resubmitted(r
     await real_bus.stats.flush()
     assert lost == ["req/mine"]
     assert await real_bus.redis.hget(real_bus.keys.stats("b"), "requested") == b"1"
+
+
+async def test_a_member_of_the_agent_sets_that_is_no_agent_id_leaves_the_others_observed(real_bus: HandoffBus) -> None:
+    # written by hand (or by a tool that mangled it): `handoffbus exporter` and `top` read
+    # every known agent, and one such member must not stop them for all the others
+    bus = real_bus
+    await bus.client("req").request_handoff(req("req", "echo-1"))
+    await bus.redis.sadd(bus.keys.targets, b"\xff\xfe", "not an id")
+    await bus.redis.sadd(bus.keys.agents, b"\xff\xfe")
+    assert await known_agents(bus) == ["echo-1"]
+    [view] = await observe_agents(bus)
+    assert view.agent_id == "echo-1" and view.queued == 1
+    assert await bus.client("req").list_agents() == []  # `handoffbus agents` too: no live worker, no crash
