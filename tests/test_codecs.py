@@ -60,7 +60,10 @@ def test_decompression_bomb_is_refused_without_inflating_it() -> None:
 
 
 @pytest.mark.parametrize(
-    "data", [b"\x1f\x8bnot gzip", gzip.compress(b"{}")[:-6], b"\xc1", b"{not json", b"\x81\xa1x"]
+    "data", [b"\x1f\x8bnot gzip", gzip.compress(b"{}")[:-6], b"\xc1", b"{not json", b"\x81\xa1x",
+             # a valid request, then bytes after its gzip stream: junk, or a second member
+             pytest.param(gzip.compress(msgpack_codec.encode(REQUEST)) + b"junk", id="gzip-then-junk"),
+             pytest.param(gzip.compress(msgpack_codec.encode(REQUEST)) * 2, id="gzip-twice")]
 )
 def test_corrupt_payloads_raise_decode_error(data: bytes) -> None:
     with pytest.raises(DecodeError):

@@ -11,6 +11,7 @@ from handoffbus import ConversationEntry, HandoffBus, HandoffContext, HandoffSta
 from handoffbus.scripts import INLINE_ENVELOPE, STAGE_OVER
 
 from .agents import Echo
+from .conftest import make_bus
 from .helpers import LARGE, req, routed, serve_until_done
 
 pytestmark = pytest.mark.anyio
@@ -242,3 +243,20 @@ async def test_a_mid_sized_envelope_goes_in_staged_and_comes_out_inline(
     assert (outcome.status, outcome.result["messages"]) == (HandoffStatus.COMPLETED, 3)
     assert record is not None and record.request.context_snapshot == mid
     assert sent == ["SET"] and await staged_keys(bus, "req") == []
+
+
+async def test_an_envelope_with_bytes_after_its_end_reads_as_a_poison_record(
+        real_backend: str, servers: dict) -> None:
+    """Bytes after the end of an envelope mean it is not what was written (a torn or clobbered
+    key): a plain one is refused as malformed, and so must a gzipped one be, rather than its
+    first gzip member read and the rest dropped without a word."""
+    async with make_bus(real_backend, servers, compress_threshold=64) as bus:
+        client = bus.client("req")
+        handles = [await client.request_handoff(req("req", "echo-1", reason=f"r{i}", context_snapshot=CONTEXT))
+                   for i in range(2)]
+        envelopes = [bus.keys.record("req", h.request_id).envelope for h in handles]
+        assert (await bus.redis.get(envelopes[0]))[:2] == b"\x1f\x8b"  # compressed
+        await bus.redis.append(envelopes[0], b"junk")
+        await bus.redis.append(envelopes[1], b"\x1f\x8b" + b"\x00" * 16)  # a second, broken member
+        loaded = await bus.load_records([h.handoff_id for h in handles])
+        assert [(item.request, bool(item.error)) if item else None for item in loaded] == [(None, True)] * 2

@@ -442,3 +442,43 @@ async def test_a2a_states_tasks_and_agent_cards(real_backend: str, servers: dict
                   "defaultInputModes", "defaultOutputModes", "skills"):
         assert field in card
     assert [s["id"] for s in card["skills"]] == ["code_review", "security_analysis"]
+
+
+async def test_a_users_own_hb_blob_key_is_data_not_a_reference(real_backend: str, servers: dict) -> None:
+    """A context that was never offloaded may hold a dict with a ``$hb_blob`` key of its own
+    (a reference in some other system, the docs of this very format): it reaches the work hook
+    as sent, and ``restore`` leaves it alone rather than reading a key it happens to name."""
+    user_data = {"$hb_blob": "doc-42", "title": "quarterly report"}
+    ctx = HandoffContext(conversation_history=[ConversationEntry(role="user", content="summarise it")],
+                         tool_state={"attachment": user_data})
+    async with make_bus(real_backend, servers) as bus:
+        reader = ContextReader()
+        handle = await bus.client("req").request_handoff(req("req", "reader-1",
+                                                               context_snapshot=serialize_context(ctx)))
+        async with serving(bus, reader):
+            with anyio.fail_after(30):
+                outcome = await handle.outcome()
+        assert outcome.status is HandoffStatus.COMPLETED, outcome
+        assert [h.context for h in reader.seen] == [ctx]
+        # one that names a key of the bus (here a handoff's record hash) is data too, and never
+        # an untyped redis error
+        record = bus.keys.record("req", handle.handoff_id.split("/", 1)[1]).record
+        named = HandoffContext(tool_state={"x": {"$hb_blob": record, "sha256": "0" * 64, "kind": "str"}})
+        assert await restore(bus, named) == named
+
+
+async def test_max_history_never_leaves_a_tool_result_without_its_call(real_backend: str, servers: dict) -> None:
+    """A cut between an assistant's tool call and its result would send the result alone, which
+    model APIs refuse ("messages with role 'tool' must be a response to a preceding message with
+    'tool_calls'"): the orphaned result stays behind with its call."""
+    policy = HandoffPolicy(context=ContextPolicy(max_history=3))
+    async with make_bus(real_backend, servers, policy=policy) as bus:
+        await bus.client("req").request_handoff(req("req", "w-1", context_snapshot=serialize_context(
+            conversation())))
+        [pending] = await bus.client("w-1").get_pending_handoffs()
+    sent = deserialize_context(pending.request.context_snapshot or b"")
+    calls = {call["id"] for e in sent.conversation_history for call in e.extra.get("tool_calls", [])}
+    orphans = [e for e in sent.conversation_history if e.role == "tool" and e.tool_call_id not in calls]
+    assert orphans == []
+    assert [e.content for e in sent.conversation_history] == ["1200 EUR", "and my card limit?"]
+    assert sent.metadata["trimmed"] is True and sent.metadata["original_history_length"] == 6

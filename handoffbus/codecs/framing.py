@@ -42,4 +42,6 @@ def unpack(data: bytes, *, limit: int) -> bytes:
         raise PayloadTooLarge(f"payload inflates past the limit of {limit} bytes")
     if not inflater.eof:
         raise DecodeError("truncated compressed payload")
+    if inflater.unused_data:  # as a plain payload's trailing bytes are refused: not what was written
+        raise DecodeError(f"{len(inflater.unused_data)} bytes after the end of the compressed payload")
     return body

@@ -19,6 +19,7 @@ it is restored.
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -38,6 +39,10 @@ BLOB_REF = "$hb_blob"
 #: entries whose content went out of band say so in their extra fields
 ENTRY_REF = "hb.blob"
 _BLOB_REF_JSON = f'"{BLOB_REF}"'.encode()
+#: the fields of a reference, exactly as ``_ref`` writes them: a dict of the user's that merely
+#: has a ``$hb_blob`` key is data, not a reference (and never names a key for restore to read)
+_REF_FIELDS = frozenset({BLOB_REF, "size", "sha256", "kind"})
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 #: text may end in half an emoji (a lone surrogate), which a context carries (see context.py):
 #: stored as its three bytes, read back the same
 SURROGATES = "surrogatepass"
@@ -103,6 +108,18 @@ async def offload(bus: HandoffBus, requester: str, context: HandoffContext, *, t
     return offloaded
 
 
+def _is_ref(bus: HandoffBus, value: Any) -> bool:
+    """Whether ``value`` is a reference ``offload`` wrote: its four fields, and a key that is a
+    blob key of this bus named by the reference's own digest."""
+    if not isinstance(value, dict) or value.keys() != _REF_FIELDS:
+        return False
+    key, digest = value[BLOB_REF], value["sha256"]
+    if not (isinstance(key, str) and isinstance(digest, str) and _DIGEST.fullmatch(digest)
+            and type(value["size"]) is int and value["kind"] in ("str", "bytes")):
+        return False
+    return re.fullmatch(rf"{re.escape(bus.keys.prefix)}:\{{[^{{}}]+\}}:blob:{digest}", key) is not None
+
+
 def has_blobs(snapshot: bytes | None) -> bool:
     """Whether a serialized context refers to out-of-band content (a substring search of its
     JSON: every reference, message or tool state, carries the ``$hb_blob`` key)."""
@@ -116,7 +133,7 @@ async def restore(bus: HandoffBus, context: HandoffContext, handoff_id: str | No
 
     def collect(value: Any) -> None:
         if isinstance(value, dict):
-            if isinstance(value.get(BLOB_REF), str):
+            if _is_ref(bus, value):
                 refs.append(value)
             else:
                 for v in value.values():
@@ -155,8 +172,7 @@ async def restore(bus: HandoffBus, context: HandoffContext, handoff_id: str | No
 
     def put_back(value: Any) -> Any:
         if isinstance(value, dict):
-            return content(value) if isinstance(value.get(BLOB_REF), str) else {k: put_back(v) for k, v in
-                                                                                  value.items()}
+            return content(value) if _is_ref(bus, value) else {k: put_back(v) for k, v in value.items()}
         if isinstance(value, list):
             return [put_back(v) for v in value]
         return value
@@ -164,7 +180,7 @@ async def restore(bus: HandoffBus, context: HandoffContext, handoff_id: str | No
     history = []
     for entry in entries:
         ref = entry.extra.get(ENTRY_REF)
-        if isinstance(ref, dict):
+        if isinstance(ref, dict) and _is_ref(bus, ref):
             extra = {k: v for k, v in entry.extra.items() if k != ENTRY_REF}
             entry = msgspec.structs.replace(entry, content=content(ref), extra=extra)
         history.append(entry)

@@ -3,7 +3,8 @@
 - ``preserve_history=False``: only the last user message goes (sw4rm, llm4s's
   ``preserveContext``).
 - ``transfer_system_message=False``: system messages stay behind (llm4s).
-- ``max_history=N``: the last N entries go. The context's metadata records
+- ``max_history=N``: the last N entries go, less any tool results at the front whose call
+  was cut off (a model API refuses a result without its call). The context's metadata records
   ``original_history_length`` and ``trimmed`` (sw4rm's guidance on large contexts), whether
   it trimmed or not.
 - ``drop_tool_results``: results of tool calls that completed stay behind (entries with
@@ -107,7 +108,12 @@ async def apply_context_policy(context: HandoffContext, policy: ContextPolicy | 
     if policy.max_history is not None:  # recorded whether it trims or not, as sw4rm's guidance does
         metadata["original_history_length"] = len(context.conversation_history)
         metadata["trimmed"] = len(history) > policy.max_history
-        history = history[-policy.max_history:]
+        if metadata["trimmed"]:
+            history = history[-policy.max_history:]
+            # results at the front of what is kept had their call cut off: sent alone, a model
+            # API refuses them (a tool result must answer a preceding message's tool call)
+            while history and history[0].role in TOOL_RESULT_ROLES:
+                del history[0]
     result = msgspec.structs.replace(context, conversation_history=history, metadata=metadata)
     for each in filters:
         filtered = each(result)
