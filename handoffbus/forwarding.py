@@ -35,7 +35,7 @@ import msgspec
 from anyio.abc import TaskStatus
 from redis.exceptions import RedisError, ResponseError
 
-from .backoff import LOST_CONNECTION, Backoff
+from .backoff import LOST_CONNECTION, Backoff, lost_connection
 from .config import MAX_PRIORITY
 from .errors import CallRefused, ForwarderUnavailable, HandoffbusError, InvalidName
 from .models import HandoffRequest, WorkerInfo
@@ -199,7 +199,13 @@ class Forwarder:
                     log.warning("forwarder: looking for outboxes failed (%s)", exc)
                 for agent in sorted(found - self._serving):
                     self._serving.add(agent)
-                    await tg.start(self._serve, agent)
+                    try:
+                        await tg.start(self._serve, agent)
+                    except (RedisError, OSError) as exc:  # e.g. its own user made its outbox no stream
+                        self._serving.discard(agent)  # tried again at the next look
+                        if agent not in self._bogus:
+                            self._bogus.add(agent)
+                            log.warning("forwarder: cannot serve %s (%s)", agent, exc)
                 try:
                     if await bus.scripts.ensure_loaded(bus.redis):  # the agents may not load them
                         log.warning("forwarder: the server had lost the function library; loaded it again")
@@ -290,7 +296,14 @@ class Forwarder:
                       maxlen=10_000, approximate=True)
             pipe.xack(bus.keys.outbox(agent), GROUP, entry_id)
             pipe.xdel(bus.keys.outbox(agent), entry_id)
-            await pipe.execute()
+            answered = await pipe.execute(raise_on_error=False)
+        for reply in answered:
+            if isinstance(reply, Exception):
+                if lost_connection(reply):
+                    raise reply
+                # e.g. the agent's own user made its replies stream no stream: its call is
+                # acknowledged (it would fail the same again), and the forwarder goes on
+                log.warning("forwarder: answering an entry from %s failed (%s)", agent, reply)
 
     async def _handle(self, sender: str, fields: dict[bytes, bytes]) -> bytes:
         try:
@@ -301,6 +314,9 @@ class Forwarder:
         verdicts = [await self._check(sender, call) for call in calls]
         allowed = [self._pinned(call) for call, why in zip(calls, verdicts, strict=True) if why is None]
         results = await self._bus.scripts_many(allowed) if allowed else []
+        for result in results:
+            if lost_connection(result):  # run or not: the entry is read again, and run again (idempotent)
+                raise result
         out: list[tuple[bool, Any]] = []
         for call, why in zip(calls, verdicts, strict=True):
             if why is not None:
@@ -346,8 +362,9 @@ class Forwarder:
 
     def _pinned(self, call: Call) -> Call:
         """The call with what the bus decides rather than the caller: retention times (they
-        trim the requester's whole response stream), the target's queue cap, and a new
-        request's routing terms. The caller chooses only what its own request asks."""
+        trim the requester's whole response stream), the target's queue cap, a new
+        request's routing terms, and how long a pull's claims last. The caller chooses only
+        what its own request asks."""
         name, keys, args = call
         config, args = self._bus.config, list(args)
         if name in _ACTING and name != "reclaim":
@@ -358,6 +375,8 @@ class Forwarder:
             args[4:6] = [config.retention_ms, config.response_retention_ms]
         elif name == "enqueue":
             args[2:3] = [config.max_queued]
+        elif name == "pull":  # a claim hides the handoffs it took from every other agent of the set
+            args[2:3] = [int(config.route_claim * 1000)]
         elif name == "route":
             wait = min(int(text(args[2])[1:]), int(config.max_timeout * 1000))
             args[2:7] = [f"+{wait}", ",", ",", int(config.route_age_step * 1000), 0]

@@ -38,6 +38,8 @@ from handoffbus import (
     serialize_context,
 )
 from handoffbus.acl import AclUser, agent_user, forwarder_user
+from handoffbus.backoff import lost_connection
+from handoffbus.errors import HandoffbusError
 from handoffbus.forwarding import Forwarder
 from handoffbus.policies.blobs import offload, restore
 from handoffbus.routing import set_id
@@ -749,3 +751,116 @@ async def test_a_refusal_routed_on_to_a_broken_doorbell_does_not_stop_the_forwar
         with anyio.fail_after(10):
             after = await setup.buses["req"].client("req").request_handoff(req("req", "echo-1", reason="after"))
         assert await setup.trusted.redis.zscore(setup.trusted.keys.target("echo-1").queue, after.handoff_id)
+
+
+async def test_an_agent_whose_replies_stream_is_no_stream_does_not_stop_the_forwarder(
+        real_backend: str, servers: dict) -> None:
+    # mallory's own user may replace its replies stream with a string: the forwarder's reply
+    # (XADD) failed with WRONGTYPE inside the entry's task group, and the whole forwarder
+    # stopped for every agent
+    async with isolated(real_backend, servers) as setup:
+        mallory = setup.buses["mallory"]
+        await mallory.redis.delete(mallory.keys.replies("mallory"))
+        await mallory.redis.set(mallory.keys.replies("mallory"), "not a stream")
+        keys = mallory.keys.record("mallory", "x")
+        calls = msgspec.msgpack.encode([("load", [keys.record, keys.envelope], [])])
+        await mallory.redis.xadd(mallory.keys.outbox("mallory"), {"rid": "m1", "calls": calls})
+        with anyio.fail_after(10):
+            while await mallory.redis.xlen(mallory.keys.outbox("mallory")):  # taken and acknowledged
+                await setup.trusted.sweeper.wait_pass()
+            handle = await setup.buses["req"].client("req").request_handoff(req("req", "echo-1", reason="after"))
+        assert await setup.trusted.redis.zscore(setup.trusted.keys.target("echo-1").queue, handle.handoff_id)
+
+
+async def test_an_agent_whose_outbox_is_no_stream_does_not_stop_a_starting_forwarder(
+        real_backend: str, servers: dict) -> None:
+    # mallory's own user may make its outbox key a string: a forwarder starting (or restarting)
+    # failed to create its group there (WRONGTYPE) and stopped, serving no agent at all
+    async with isolated(real_backend, servers) as setup, anyio.create_task_group() as tg:
+        mallory, trusted = setup.buses["mallory"], setup.trusted
+        await mallory.redis.delete(mallory.keys.outbox("mallory"))
+        await mallory.redis.set(mallory.keys.outbox("mallory"), "not a stream")
+        forwarder = Forwarder(trusted, ("mallory", "req"))  # as `handoffbus forwarder mallory req`
+        with anyio.fail_after(10):
+            await tg.start(forwarder.run)
+        assert "req" in forwarder._serving  # the others are served
+        tg.cancel_scope.cancel()
+
+
+async def test_a_call_whose_run_lost_the_forwarders_connection_is_not_answered_as_a_plain_error(
+        real_backend: str, servers: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the forwarder's batch lost its connection: the call's reply was a ConnectionError, which
+    # the forwarder sent back as "error:..." and the agent raised as a plain ResponseError, not
+    # a lost connection: a worker's step gave up where on a shared bus it is retried
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    async with isolated(real_backend, servers) as setup:
+        trusted, echo = setup.trusted, setup.buses["echo-1"]
+        handle = await setup.buses["req"].client("req").request_handoff(req("req", "echo-1", reason="r"))
+        keys = trusted.keys.record("req", handle.request_id)
+        real = trusted.scripts_many
+        broke = anyio.Event()
+
+        def scripts_many(calls: list[Any]) -> Any:
+            if not broke.is_set() and calls and calls[0][0] == "load" and calls[0][1] == [keys.record, keys.envelope]:
+                broke.set()
+
+                async def lost() -> list[Any]:
+                    return [RedisConnectionError("Connection closed by server.")] * len(calls)
+
+                return lost()
+            return real(calls)
+
+        monkeypatch.setattr(trusted, "scripts_many", scripts_many)
+        with anyio.fail_after(20):
+            try:
+                row = await echo.script("load", [keys.record, keys.envelope], [])
+            except Exception as exc:  # answered: then as what it is, a lost connection
+                assert broke.is_set()
+                assert isinstance(exc, HandoffbusError) and lost_connection(exc), repr(exc)
+            else:
+                assert broke.is_set() and row[6] == handle.handoff_id.encode()
+
+
+async def test_an_agents_pull_claims_routed_handoffs_for_the_buses_claim_time_only(
+        real_backend: str, servers: dict) -> None:
+    # the claim time is the bus's (route_claim): a pull asking for 10**12 ms hid every handoff it
+    # took from every other agent serving the set until their deadlines, undecided and unoffered
+    async with isolated(real_backend, servers) as setup:
+        trusted, mallory = setup.trusted, setup.buses["mallory"]
+        now = int((await mallory.redis.time())[0]) * 1000
+        await mallory.redis.hset(mallory.keys.workers("mallory"), "w1", json.dumps({
+            "consumer": "w1", "state": "RUNNABLE", "load": 0, "limit": 10, "capabilities": ["x"],
+            "beat_ms": now + 600_000, "ttl_ms": 600_000}))
+        handle = await setup.buses["req"].client("req").request_handoff(
+            HandoffRequest(from_agent="req", to_agent="", capabilities_required=["x"], reason="r", timeout=600))
+        route = trusted.keys.route(set_id("x"))
+        reply = await mallory.script("pull", route.as_list(), ["mallory", 1, 10**12, 64])
+        assert reply[2:] == [handle.handoff_id.encode()]
+        claimed_until = await trusted.redis.zscore(route.claims, handle.handoff_id)
+        seconds, micros = await trusted.redis.time()
+        now = int(seconds) * 1000 + int(micros) // 1000
+    assert claimed_until is not None and claimed_until <= now + trusted.config.route_claim * 1000
+
+
+@pytest.mark.parametrize("chosen", [1, "nan"])
+async def test_an_agent_cannot_backdate_its_offer_in_the_requesters_record(
+        real_backend: str, servers: dict, chosen: Any) -> None:
+    # assign's "when the agent was chosen" came from the caller, unchecked but for the future:
+    # an isolated agent wrote an OFFERED step of 1970 (or of no time at all) into the requester's route
+    async with isolated(real_backend, servers) as setup:
+        echo = setup.buses["echo-1"]
+        now = int((await echo.redis.time())[0]) * 1000
+        await echo.redis.hset(echo.keys.workers("echo-1"), "w1", json.dumps({
+            "consumer": "w1", "state": "RUNNABLE", "load": 0, "limit": 10, "capabilities": ["x"],
+            "beat_ms": now + 600_000, "ttl_ms": 600_000}))
+        handle = await setup.buses["req"].client("req").request_handoff(
+            HandoffRequest(from_agent="req", to_agent="", capabilities_required=["x"], reason="r", timeout=60))
+        keys = echo.keys.record("req", handle.request_id)
+        offer = await echo.script("assign", keys.as_list(), [handle.handoff_id, handle.request_id, "echo-1",
+                                                             30_000, 0, 0, chosen])
+        assert int(offer[0]) == 1
+        record = await handle.status()
+    assert record is not None
+    [step] = record.route
+    assert step.event == "OFFERED" and record.created_ms <= step.at_ms <= record.updated_ms + 1000

@@ -8,7 +8,8 @@
   ARGV[1] handoff id    ARGV[2] request id       ARGV[3] agent
   ARGV[4] offer time ms   ARGV[5] record retention ms   ARGV[6] response stream retention ms
   ARGV[7] when the agent was chosen (server ms, from `pull`; 0 = now): the OFFERED step's time,
-          so that the route shows the order in which a set's queue gave its handoffs out
+          so that the route shows the order in which a set's queue gave its handoffs out (one
+          before the request was made, or after now, is now)
 
   Returns:
     {1} offered to the agent now (or again: the same agent renews its offer)
@@ -24,7 +25,7 @@
 -- @include offer
 
 local request_id, agent = ARGV[2], ARGV[3]
-local rec = read_record(KEYS[1], {'routed', 'to', 'chain', 'refused', 'deferred'})
+local rec = read_record(KEYS[1], {'routed', 'to', 'chain', 'refused', 'deferred', 'created'})
 if not rec.status then return {-1} end
 local now = now_ms()
 if expire_if_due(KEYS, rec, request_id, now, tonumber(ARGV[5]), tonumber(ARGV[6])) then return {-3} end
@@ -42,7 +43,8 @@ end
 if rec.to ~= '' and rec.to ~= agent then chain = chain_add(KEYS[1], chain, rec.to, 'LAPSED', now, nil) end
 redis.call('HSET', KEYS[1], 'to', agent)
 local chosen = tonumber(ARGV[7])
-if not chosen or chosen == 0 or chosen > now then chosen = now end
+-- never before the request, nor after now (nor NaN): the caller's word, an isolated agent's too
+if not chosen or chosen ~= chosen or chosen < (tonumber(rec.created) or 0) or chosen > now then chosen = now end
 if rec.to ~= agent then chain_add(KEYS[1], chain, agent, 'OFFERED', chosen, nil) end
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), 'o:' .. request_id)
 return {1}
