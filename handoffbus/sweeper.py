@@ -20,7 +20,8 @@ from anyio.abc import TaskStatus
 from redis.exceptions import RedisClusterException, RedisError
 
 from .errors import HandoffbusError
-from .names import split_handoff_id, stored_names
+from .keys import GROUP, RESTORED
+from .names import check_name, split_handoff_id, stored_names
 from .plainreads import refuses_scripts
 from .routing import Reroute
 
@@ -87,6 +88,7 @@ class Sweeper:
             nonlocal expired
             by_target: dict[str, list[str]] = defaultdict(list)
             lapsed: list[Reroute] = []  # routed handoffs whose offer lapsed: route them again
+            forsaken: list[tuple[str, str]] = []  # (agent, handoff id) of each lapsed offer
             unrouted: list[tuple[str, str]] = []  # (capability set, handoff id) of expired routed ones
             # shielded (and bounded): once the scripts made handoffs EXPIRED or let offers lapse,
             # settling those queues and routing the lapsed again must follow, or nothing would
@@ -118,10 +120,12 @@ class Sweeper:
                         if reply[i + 2]:  # routed: its set's queue may hold it still, for no one
                             unrouted.append((reply[i + 2].decode(), hid))
                     for i in range(n_lapsed):
-                        values = reply[pairs_end + 8 * i:pairs_end + 8 * i + 8]
+                        values = reply[pairs_end + 9 * i:pairs_end + 9 * i + 9]
                         item = Reroute.read(values[:7], "expiry sweep")
                         if item is not None:
                             lapsed.append(item._replace(may_end=values[7] != b"0"))
+                            if values[8]:
+                                forsaken.append((values[8].decode(errors="replace"), item.handoff_id))
                 if by_target:
                     try:
                         await bus.settle_expired(by_target)
@@ -133,6 +137,8 @@ class Sweeper:
                 await bus.drop_routes(unrouted)
                 if lapsed:
                     await self._reroute(lapsed)
+                if forsaken:
+                    await self._forsake(forsaken)
             batch.clear()
 
         async for raw in bus.redis.sscan_iter(bus.keys.requesters, count=500):
@@ -166,6 +172,28 @@ class Sweeper:
             if isinstance(reply, BaseException):
                 log.warning("expiry sweep: the routing guards of %s could not be set again (%s); its handoffs "
                             "wait for their deadlines", requester, reply)
+
+    async def _forsake(self, forsaken: list[tuple[str, str]]) -> None:
+        """Take each lapsed offer's handoff out of its agent's inbox if the worker that pulled
+        it there is gone: no worker of an agent that is gone for good would ever reclaim it,
+        and it would stay in flight there for ever. One a live worker holds is left to it (it
+        is refused the accept, and settles it; or, offered it again, decides it)."""
+        bus = self._bus
+        for agent, handoff_id in forsaken:
+            try:
+                check_name(agent, "agent id")
+                keys = bus.keys.target(agent)
+                entry = await bus.redis.hget(keys.inflight, handoff_id)
+                if entry is None:
+                    continue
+                rows = await bus.redis.xpending_range(keys.inbox, GROUP, min=entry, max=entry, count=1)
+                holder = rows[0]["consumer"].decode(errors="replace") if rows else RESTORED
+                if holder != RESTORED and await bus.redis.exists(bus.keys.worker_beat(agent, holder)):
+                    continue
+                # settled only if that consumer holds it still (no live worker claimed it meanwhile)
+                await bus.script("requeue", keys.as_list(), [GROUP, handoff_id, 0, holder, "1"])
+            except (RedisError, RedisClusterException, OSError, HandoffbusError) as exc:
+                log.warning("expiry sweep: could not take %s out of the inbox of %s (%s)", handoff_id, agent, exc)
 
     def _failed(self, requester: str, exc: BaseException) -> None:
         if requester in self._failing:

@@ -190,6 +190,29 @@ async def test_a_lapsed_offer_whose_rerouting_was_lost_is_routed_again(
         assert [(s.agent, s.event) for s in record.route] == [("dead-1", "OFFERED"), ("dead-1", "LAPSED")]
 
 
+async def test_a_lapsed_offer_leaves_nothing_in_flight_at_an_agent_that_is_gone(
+    backend: str, servers: dict
+) -> None:
+    """An agent's only worker pulled a routed handoff into the agent's inbox and died; its
+    offer lapsed and another agent finished the handoff. No worker of the dead agent will ever
+    reclaim that inbox entry: the handoff must not stay in flight there for ever (in the
+    agent's in-flight index, pending entries list and ``max_queued`` count)."""
+    async with make_bus(backend, servers, offer_time=0.2) as bus:
+        handle = await bus.client("req").request_handoff(routed(["x"], timeout=60.0))
+        feed = RouteFeed(bus, "dead-1", ["x"], "w1")
+        await feed.refresh()
+        assert [d.handoff_id for d in await feed.pull(1)] == [handle.handoff_id]  # in dead-1's inbox; never decided
+        live = Specialist("live-1", ["x"])
+        async with serving(bus, live):
+            [outcome] = await outcomes([handle])
+        assert outcome.result == {"by": "live-1"}
+        for _ in range(2):  # settled by then, or by a sweep soon after
+            await bus.sweeper.wait_pass()
+        keys = bus.keys.target("dead-1")
+        assert await bus.redis.hgetall(keys.inflight) == {}
+        assert await bus.redis.xlen(keys.inbox) == 0
+
+
 async def test_a_routed_request_nobody_can_take_expires(bus: HandoffBus) -> None:
     handle = await bus.client("req").request_handoff(routed(["nobody-has-this"], timeout=0.2))
     [outcome] = await outcomes([handle], limit=10)

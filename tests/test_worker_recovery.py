@@ -255,3 +255,43 @@ async def test_a_worker_that_lost_contact_claims_nothing_until_contact_held_for_
             assert await holder() == "holder"  # not taken while contact is fresh
             assert (await handle.outcome()).status is HandoffStatus.COMPLETED  # taken over later
         worker.drain()
+
+
+async def test_a_reclaim_that_fails_after_claiming_does_not_use_up_deliveries(bus: HandoffBus) -> None:
+    """XAUTOCLAIM raises an entry's delivery count as it claims it. A reclaim whose next step
+    fails (a connection lost while loading the records) handled nothing: that claim must not
+    count as a delivery, or a few transient errors dead-letter a handoff no worker tried."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from handoffbus.workers.inbox import Inbox
+
+    from .agents import Echo
+
+    client = bus.client("req")
+    handle = await client.request_handoff(req("req", "echo-1"))
+    _, [taken] = await Inbox(bus, "echo-1", "holder").take(1)  # its worker died: delivery 1
+    inbox = bus.keys.target("echo-1").inbox
+    await bus.redis.xclaim(inbox, GROUP, "holder", 0, [taken.entry_id], idle=60_000, retrycount=1)  # idle
+    load, failed = bus.load_records, []
+
+    async def flaky(handoff_ids):  # type: ignore[no-untyped-def]
+        if len(failed) < 4:  # four reclaims in a row lose their connection after claiming
+            failed.append(handoff_ids)
+            raise RedisConnectionError("connection lost")
+        return await load(handoff_ids)
+
+    bus.load_records = flaky  # type: ignore[method-assign]
+    echo = Echo()
+    async with anyio.create_task_group() as tg:
+        worker = Worker(bus, echo, reclaim_idle=0.1, max_deliveries=5)
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            while True:
+                record = await client.get_handoff_status(handle.handoff_id)
+                if await client.get_dead_letters("echo-1") or record.status is HandoffStatus.COMPLETED:
+                    break
+                await worker.wait_reclaim_pass()
+        worker.drain()
+    assert len(failed) == 4
+    assert await client.get_dead_letters("echo-1") == []  # tried once only: never poison
+    assert record.status is HandoffStatus.COMPLETED and echo.order == [handle.handoff_id]

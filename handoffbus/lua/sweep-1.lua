@@ -18,9 +18,11 @@
   Returns {expired count, lapsed count, (handoff id, to agent, capability set) per expired
   handoff, then per lapsed offer: handoff id, capability set, priority, created, deadline,
   refused, deferred, may end ('0' for the guard of a handoff its agent released: a release is
-  never final, see release-5.lua; else '1')}. The capability set is '' for a direct handoff. The caller removes expired
+  never final, see release-5.lua; else '1'), the agent whose offer lapsed ('' for a guard)}.
+  The capability set is '' for a direct handoff. The caller removes expired
   handoffs from their target queues (to agent), and from their set's route queue (capability
-  set: one not offered to an agent waits there), and routes lapsed ones again.
+  set: one not offered to an agent waits there), and routes lapsed ones again (and takes a
+  lapsed one out of the inbox of its agent, if no live worker holds it there).
   Events: EXPIRED on <p>:{R}:responses for each expired handoff.
 ]]
 -- @flags allow-oom
@@ -62,6 +64,7 @@ for _, member in ipairs(due) do
     -- the guard of a release, the last step of its route (chain_add: [agent, event, ts, code])
     local released = rec.to == '' and string.find(rec.chain or '', ',"RELEASED",%d+,""%]%]$') ~= nil
     lapsed[#lapsed + 1] = released and '0' or '1'
+    lapsed[#lapsed + 1] = rec.to or ''
     out[2] = out[2] + 1
   end
   -- else the marker outlives TIME by under a millisecond: the next pass takes it

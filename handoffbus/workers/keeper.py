@@ -52,6 +52,10 @@ class Keeper:
         self._log = log
         #: when this worker last found Redis out of reach or slow (see lost_contact); never yet
         self.contact_since = -math.inf
+        #: entries claimed (delivered to this worker, their delivery counted) whose records could
+        #: not be read then: held (kept fresh by the beat) and handed out by the next claim_idle,
+        #: not left to be claimed, and counted, once more
+        self._carried: list[Delivery] = []
 
     def lost_contact(self) -> None:
         """Redis was out of reach, or slow to answer: other workers' entries look idle to this
@@ -114,8 +118,11 @@ class Keeper:
         the cursor to go on from, and what was claimed. Entries naming no handoff are
         dead-lettered; entries this worker runs already are left to it. Nothing is claimed
         while contact is fresh, and a failure is logged, not raised."""
+        if self._carried:
+            return cursor, await self._carry_on()
         if anyio.current_time() - self.contact_since < reclaim_idle:
             return cursor, []
+        taken: list[Delivery] = []
         try:
             # a server that froze answers late: claims sent now would land after the thaw,
             # before the holders' beats, and take their running work
@@ -128,7 +135,6 @@ class Keeper:
                 self._inbox_key, GROUP, self.consumer, int(reclaim_idle * 1000), cursor, count=count
             )
             cursor, claimed = reply[0], reply[1]
-            taken: list[Delivery] = []
             nameless: list[Delivery] = []
             for eid, fields in claimed:
                 if not fields:
@@ -150,6 +156,7 @@ class Keeper:
                                 delivery.entry_id)
             loaded = await self._inbox.load([d.handoff_id for d in taken])
         except ResponseError as exc:
+            self._hold(taken)
             if "NOGROUP" not in str(exc):
                 self._log.warning("%s: reclaim failed (%s)", self.consumer, exc)
                 return cursor, []
@@ -159,9 +166,33 @@ class Keeper:
                 self._log.warning("%s: restoring the consumer group failed (%s)", self.consumer, again)
             return "0-0", []
         except (RedisError, OSError) as exc:
+            self._hold(taken)
             self.lost_contact()
             self._log.warning("%s: reclaim failed (%s)", self.consumer, exc)
             return cursor, []
+        return cursor, self._claimed(taken, loaded, counts)
+
+    def _hold(self, taken: list[Delivery]) -> None:
+        """Entries claimed by a reclaim that failed after the claim: this worker's now, their
+        delivery counted; claimed again once idle, they would be counted again for no handling
+        (a few outages in a row would dead-letter a handoff no worker tried)."""
+        for delivery in taken:
+            self._entries[delivery.handoff_id] = delivery.entry_id
+        self._carried += taken
+
+    async def _carry_on(self) -> list[Claimed]:
+        carried = self._carried
+        try:
+            counts = await self.delivery_counts(carried)
+            loaded = await self._inbox.load([d.handoff_id for d in carried])
+        except (RedisError, OSError) as exc:
+            self.lost_contact()
+            self._log.warning("%s: reading %d reclaimed handoffs failed (%s)", self.consumer, len(carried), exc)
+            return []
+        self._carried = []
+        return self._claimed(carried, loaded, counts)
+
+    def _claimed(self, taken: list[Delivery], loaded: list[Loaded | None], counts: dict[str, int]) -> list[Claimed]:
         out: list[Claimed] = []
         for delivery, row in zip(taken, loaded, strict=True):
             deliveries = counts.get(delivery.entry_id, 1)
@@ -170,7 +201,7 @@ class Keeper:
             if deliveries > 1:
                 self.bus.tally.add(self._inbox.agent, "redelivered")
             out.append((delivery, row, deliveries))
-        return cursor, out
+        return out
 
     async def delivery_counts(self, taken: list[Delivery]) -> dict[str, int]:
         # each entry on its own: one range over them all would also list this worker's other
