@@ -8,7 +8,8 @@
   ``original_history_length`` and ``trimmed`` (sw4rm's guidance on large contexts), whether
   it trimmed or not.
 - ``drop_tool_results``: results of tool calls that completed stay behind (entries with
-  role ``tool``).
+  role ``tool``), and so do the calls (a call without its result is refused by model APIs;
+  a message that made one keeps its own text).
 - ``input_filters``: callables (plain or async) from context to context, applied last in
   order, like the Agents SDK's ``input_filter``. ``remove_all_tools`` is one: it drops tool
   calls, tool results and the tool state.
@@ -104,7 +105,9 @@ async def apply_context_policy(context: HandoffContext, policy: ContextPolicy | 
     if not policy.transfer_system_message:
         history = [e for e in history if e.role != "system"]
     if policy.drop_tool_results:
-        history = [e for e in history if e.role not in TOOL_RESULT_ROLES]
+        # the calls go with their results: a call left without its result is refused by model
+        # APIs ("tool_calls must be followed by tool messages"); a message keeps its own text
+        history = [e for e in map(_without_tool_calls, history) if e is not None and e.role not in TOOL_RESULT_ROLES]
     if policy.max_history is not None:  # recorded whether it trims or not, as sw4rm's guidance does
         metadata["original_history_length"] = len(context.conversation_history)
         metadata["trimmed"] = len(history) > policy.max_history
