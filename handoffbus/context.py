@@ -122,11 +122,31 @@ def serialize_context(context: HandoffContext) -> bytes:
         raise EncodeError(f"expected HandoffContext, got {type(context).__name__}")
     try:
         data = context.to_dict()
+        _distinct_keys(data)
         return json.dumps(data, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
     except DecodeError as exc:
         raise EncodeError(str(exc)) from None
     except (TypeError, ValueError, RecursionError) as exc:
         raise EncodeError(f"context is not JSON-serializable: {exc}") from None
+
+
+def _distinct_keys(value: Any) -> None:
+    """Raise ValueError for an object two of whose keys are one in JSON (``1`` and ``"1"``,
+    ``True`` and ``"true"``): both would be written, and the reader keep only the last."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if not all(type(k) is str for k in item) and len({_key_text(k) for k in item}) < len(item):
+                raise ValueError(f"two keys of {sorted(map(repr, item))[:8]} are the same in JSON")
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+
+
+def _key_text(key: object) -> object:
+    """A key as JSON writes it (json.dumps turns numbers, True, False and None into text)."""
+    return key if isinstance(key, str) else json.dumps(key)
 
 
 def deserialize_context(data: bytes | bytearray | memoryview, *, limit: int = DEFAULT_CONTEXT_LIMIT) -> HandoffContext:

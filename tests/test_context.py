@@ -152,6 +152,16 @@ def test_wrong_types_raise_typed_errors() -> None:
         serialize_context(HandoffContext(tool_state={"x": object()}))
 
 
+def test_keys_that_are_one_in_json_are_an_encode_error_not_a_lost_value() -> None:
+    # both keys were written, and the reader kept the last: "a" was lost without a word
+    for clash in ({1: "a", "1": "b"}, {True: "a", "true": "b"}, {None: "a", "null": "b"}):
+        with pytest.raises(EncodeError, match="same in JSON"):
+            serialize_context(HandoffContext(tool_state={"deep": [{"x": clash}]}))
+    # keys that differ as text still cross, as JSON has them (as text)
+    assert deserialize_context(serialize_context(HandoffContext(tool_state={"t": {1: "a", "2": "b"}}))).tool_state \
+        == {"t": {"1": "a", "2": "b"}}
+
+
 def test_size_limit_is_checked_before_decoding() -> None:
     data = serialize_context(HandoffContext(metadata={"pad": "x" * 2000}))
     with pytest.raises(PayloadTooLarge):
