@@ -12,7 +12,9 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisClusterException, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from . import wire
 from .batching import ScriptBatcher
 from .client import HandoffClient
 from .cluster import is_cluster, seal
@@ -247,6 +249,17 @@ class HandoffBus:
         """The client for blocking reads (XREAD BLOCK, XREADGROUP BLOCK): see connections.blocking_client."""
         redis = self.redis  # refused once the bus is closed, like the main client
         return redis if self._blocking is None else self._blocking
+
+    async def blocking_read(self, read: Awaitable[Any], blocks: float) -> Any:
+        """A blocking read through ``blocking_redis`` (a cluster, fakeredis, a forwarder),
+        bounded as a watched line's is: ``wire.REPLY_WAIT`` past the ``blocks`` seconds it may
+        block. A node that stops answering without closing the connection (frozen, or cut off
+        with no reset) held it for ever, its reader deaf to the node that took its slots over.
+        Cancelled mid-read, redis-py drops the connection: no late reply is read by another."""
+        wait = blocks + wire.REPLY_WAIT
+        with anyio.move_on_after(wait):
+            return await read
+        raise RedisTimeoutError(f"no reply within {wait:g} s")
 
     @property
     def _lines(self) -> Any:

@@ -92,7 +92,8 @@ class Outbox:
                     found = await line.command("XREAD", "COUNT", 100, "BLOCK", 1000, "STREAMS", self._replies,
                                                self._cursor, blocks=1.0)
                 else:  # a cluster, fakeredis
-                    found = await self._bus.blocking_redis.xread({self._replies: self._cursor}, block=1000, count=100)
+                    found = await self._bus.blocking_read(
+                        self._bus.blocking_redis.xread({self._replies: self._cursor}, block=1000, count=100), 1.0)
             except (RedisError, OSError) as exc:
                 log.warning("%s: reading forwarder replies failed (%s)", self.agent, exc)
                 await anyio.sleep(backoff.delay())
@@ -239,8 +240,8 @@ class Forwarder:
                     found = await line.command("XREADGROUP", "GROUP", GROUP, "forwarder", "COUNT", 100, *block,
                                                "STREAMS", stream, cursor, blocks=1.0 if block else 0.0)
                 else:  # a cluster, fakeredis
-                    found = await bus.blocking_redis.xreadgroup(GROUP, "forwarder", {stream: cursor}, count=100,
-                                                                block=None if cursor == "0" else 1000)
+                    found = await bus.blocking_read(bus.blocking_redis.xreadgroup(
+                        GROUP, "forwarder", {stream: cursor}, count=100, block=None if cursor == "0" else 1000), 1.0)
                 entries: list[Any] = next(iter(stream_entries(found)), (None, []))[1]
                 if cursor == "0" and not entries:
                     cursor = ">"

@@ -274,7 +274,8 @@ class ResponseReader:
                     reply = await line.command("XREAD", "COUNT", READ_COUNT, "BLOCK", block_ms,
                                                "STREAMS", self._stream, self._cursor, blocks=block_ms / 1000)
                 else:
-                    reply = await redis.xread({self._stream: self._cursor}, count=READ_COUNT, block=block_ms)
+                    reply = await self._bus.blocking_read(
+                        redis.xread({self._stream: self._cursor}, count=READ_COUNT, block=block_ms), block_ms / 1000)
             except (RedisError, OSError) as exc:
                 # connection lost, server restarted, or a failover's UNBLOCKED/READONLY/LOADING
                 log.warning("response reader for %s: %s; retrying", self._agent, exc)

@@ -24,7 +24,7 @@ from handoffbus.models import WorkerInfo
 
 from .agents import Echo
 from .conftest import SERVER_BINARIES, start_cluster, start_server
-from .helpers import blocked_clients, req
+from .helpers import blocked_clients, req, serve_until_done
 
 pytestmark = pytest.mark.anyio
 
@@ -331,3 +331,32 @@ async def test_a_refused_load_is_not_sent_again_for_every_read(own_server: Embed
     assert statuses == [HandoffStatus.PENDING] * 5
     assert load.get("calls", 0) + load.get("rejected_calls", 0) == 1, load
     await admin.aclose()
+
+
+async def test_a_cluster_node_that_stops_answering_does_not_hold_the_response_reader_for_ever(
+    own_cluster: EmbeddedCluster, watch_log: type[LogSeen], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node frozen, or cut off with no reset, never answers a blocked XREAD: on one server a
+    watched line bounds the wait, but a cluster's reads went through redis-py with no socket
+    timeout, and the reader stayed deaf (to the node a failover gives its slots to, too). Now
+    it gives up after its block plus ``REPLY_WAIT``, and reads again."""
+    import os
+    import signal
+
+    from handoffbus import wire
+
+    monkeypatch.setattr(wire, "REPLY_WAIT", 0.5)
+    seen = watch_log("response reader for req: no reply within")
+    async with HandoffBus.connect(own_cluster.url, sweep_interval=3600, read_block=0.2) as bus:
+        handle = await bus.client("req").request_handoff(req("req", Echo.agent_id))  # its reader reads
+        port = bus.redis.get_node_from_key(bus.keys.responses("req")).port
+        [node] = [n for n in own_cluster.nodes if n.port == port]
+        assert node.process is not None
+        os.kill(node.process.pid, signal.SIGSTOP)
+        try:
+            with anyio.fail_after(10):
+                await seen.events["response reader for req: no reply within"].wait()
+        finally:
+            os.kill(node.process.pid, signal.SIGCONT)
+        [outcome], _ = await serve_until_done(bus, Echo(), [handle])  # and it hears the node again
+        assert outcome.status is HandoffStatus.COMPLETED

@@ -59,7 +59,8 @@ class Inbox:
         if self._line is None:
             self._line = self._bus.blocking_line()
         if self._line is None:  # a cluster, fakeredis
-            return bool(await self._bus.blocking_redis.xread({self._keys[4]: bell}, count=1, block=block_ms))
+            return bool(await self._bus.blocking_read(
+                self._bus.blocking_redis.xread({self._keys[4]: bell}, count=1, block=block_ms), block_ms / 1000))
         return bool(await self._line.command("XREAD", "COUNT", 1, "BLOCK", block_ms, "STREAMS", self._keys[4], bell,
                                              blocks=block_ms / 1000))
 
