@@ -31,7 +31,7 @@ from .plainreads import load_rows, refuses_scripts, server_time_ms, status_reply
 from .policies import HandoffPolicy
 from .records import Loaded, loaded_from_row, poison_row, record_from_hash
 from .registered import Registered
-from .routing import Router
+from .routing import Router, set_id
 from .scripts import INLINE_ENVELOPE, Script, Scripts
 from .signing import Keyring
 from .stats import StatsFlusher, Tally
@@ -512,13 +512,20 @@ class HandoffBus:
         """Take (capability set, handoff id) entries out of their sets' queues, where no one will
         take them: handoffs that ended (expired, cancelled) or were never created (left there,
         only a pull from the set would drop them: a set no one serves keeps them). A failure is
-        logged, not raised: what called for it must be heard. Nothing for an isolated agent,
-        whose user cannot reach a set's slot (a pull drops the entry then)."""
-        if not items or self.isolated is not None:
+        logged, not raised: what called for it must be heard. An isolated agent, whose user
+        cannot reach a set's slot, has the forwarder do it (``unroute``, its own ended handoffs)."""
+        if not items:
             return
         try:
-            await self.router.unroute_many(items)
-        except (RedisError, RedisClusterException, OSError) as exc:
+            if self.isolated is None:
+                await self.router.unroute_many(items)
+                return
+            calls = [("unroute", self.keys.route(set_id(caps)).as_list(), [handoff_id])
+                     for caps, handoff_id in items if caps]
+            for reply in await self.scripts_many(calls) if calls else []:
+                if isinstance(reply, BaseException):
+                    raise reply
+        except (RedisError, RedisClusterException, OSError, HandoffbusError) as exc:
             log.warning("could not take %d handoffs out of their capability sets' queues: %s", len(items), exc)
 
     async def read_scripts(

@@ -337,10 +337,10 @@ class HandoffClient:
             return refusal_response(handoff_id, self.agent_id, fields)
         if code == errors.EXPIRED and reply[1]:
             await bus.settle_expired({reply[1].decode(): [handoff_id]})
-        if (code == errors.EXPIRED or (name == "cancel" and code == 1)) and reply[1] == b"" and bus.isolated is None:
+        if (code == errors.EXPIRED or (name == "cancel" and code == 1)) and reply[1] == b"":
             # a routed handoff that ended (expired by this call, or cancelled) while it waited in
-            # its set's queue, offered to no one: out of that queue (the read of its capability
-            # set is skipped where drop_routes does nothing)
+            # its set's queue, offered to no one: out of that queue (an isolated agent's through
+            # the forwarder)
             caps = await bus.redis.hget(record_keys[0], "caps")
             await bus.drop_routes([((caps or b"").decode(), handoff_id)])
         if code < 0:

@@ -313,8 +313,9 @@ class Forwarder:
             self.refused += 1
             return _encode.encode([(False, "forbidden:an outbox entry that is not a list of calls")])
         verdicts = [await self._check(sender, call) for call in calls]
-        allowed = [self._pinned(call) for call, why in zip(calls, verdicts, strict=True) if why is None]
-        results = await self._bus.scripts_many(allowed) if allowed else []
+        allowed = [self._pinned(call) for call, why in zip(calls, verdicts, strict=True)
+                   if why is None and call[0] != "unroute"]
+        results: list[Any] = await self._bus.scripts_many(allowed) if allowed else []
         for result in results:
             if lost_connection(result):  # run or not: the entry is read again, and run again (idempotent)
                 raise result
@@ -326,7 +327,7 @@ class Forwarder:
                 out.append((False, f"forbidden:{why}"))
                 continue
             self.forwarded += 1
-            result = results.pop(0)
+            result = await self._unroute(call) if call[0] == "unroute" else results.pop(0)
             out.append((False, f"error:{result}") if isinstance(result, BaseException) else (True, result))
             if not isinstance(result, BaseException):
                 try:
@@ -336,6 +337,21 @@ class Forwarder:
                     log.warning("forwarder: what follows %s from %s failed (%s: %s)", call[0], sender,
                                 type(exc).__name__, exc)
         return _encode.encode(out)
+
+    async def _unroute(self, call: Call) -> Any:
+        """Take the sender's ended routed handoffs out of their set's queue (what a shared bus
+        does itself, ``HandoffBus.drop_routes``): the number of entries removed, or the error."""
+        _, keys, args = call
+        try:
+            async with self._bus.redis.pipeline(transaction=False) as pipe:
+                pipe.zrem(keys[0], *args)
+                pipe.hdel(keys[1], *args)
+                removed, _ = await pipe.execute()
+        except LOST_CONNECTION:
+            raise  # not answered: read again once Redis is back
+        except RedisError as exc:
+            return exc
+        return removed
 
     async def _after(self, sender: str, call: Call, result: Any) -> None:
         """What a shared bus's caller does around the call, and an isolated one cannot."""
@@ -441,6 +457,22 @@ class Forwarder:
                     to = await bus.redis.hget(bus.keys.record(requester, request_id).record, "to")
                     if requester != sender or text(to or b"") != target:
                         return f"{name} of {handoff_id!r}, which {sender!r} did not send to {target!r}"
+                return None
+            if name == "unroute":  # the sender's own routed handoffs that ended, out of their set's queue
+                sid = self._set_of(keys)
+                if not args:
+                    return "unroute of no handoff"
+                for arg in args:
+                    handoff_id = text(arg)
+                    requester, request_id = split_handoff_id(handoff_id)
+                    status, caps = await bus.redis.hmget(bus.keys.record(requester, request_id).record,
+                                                         ["status", "caps"])
+                    if requester != sender:
+                        return f"unroute of {handoff_id!r}, which {sender!r} did not send"
+                    if status == b"PENDING":
+                        return f"unroute of {handoff_id!r}, which is still pending"
+                    if caps is not None and set_id(text(caps)) != sid:
+                        return f"unroute of {handoff_id!r}, which {sender!r} did not send to that capability set"
                 return None
             if name in ("route", "pull"):
                 sid = self._set_of(keys)

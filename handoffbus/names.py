@@ -42,8 +42,9 @@ def check_names(values: Iterable[object], what: str) -> tuple[str, ...]:
     return tuple(sorted({check_name(v, what) for v in items}))
 
 
-#: members of the sets of names that are none, each logged once per process (a bounded few)
-_skipped: set[bytes] = set()
+#: (set, member) of the members of sets of names that are none: each logged once per process
+#: (a bounded few)
+_skipped: set[tuple[str, bytes]] = set()
 
 
 def stored_names(members: Iterable[bytes], where: str) -> list[str]:
@@ -55,8 +56,8 @@ def stored_names(members: Iterable[bytes], where: str) -> list[str]:
         try:
             found.append(check_name(member.decode(), "agent id"))
         except (UnicodeDecodeError, InvalidName):
-            if member not in _skipped and len(_skipped) < 1000:
-                _skipped.add(member)
+            if (where, member) not in _skipped and len(_skipped) < 1000:
+                _skipped.add((where, member))
                 log.warning("skipping %r in %s, which is not an agent id", member, where)
     return sorted(found)
 

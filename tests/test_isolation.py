@@ -864,3 +864,20 @@ async def test_an_agent_cannot_backdate_its_offer_in_the_requesters_record(
     assert record is not None
     [step] = record.route
     assert step.event == "OFFERED" and record.created_ms <= step.at_ms <= record.updated_ms + 1000
+
+
+async def test_an_isolated_requesters_routed_handoff_that_ended_leaves_its_sets_queue(
+    real_backend: str, servers: dict
+) -> None:
+    """An isolated requester cancels a routed handoff that waits in its capability set's
+    queue for an agent. Its user cannot reach the set's slot: the entry (queue member and
+    meta) stayed there for ever when no agent serves the set, outliving the record itself."""
+    async with isolated(real_backend, servers, ("req",)) as setup:
+        client, trusted = setup.buses["req"].client("req"), setup.trusted
+        handle = await client.request_handoff(
+            HandoffRequest(from_agent="req", to_agent="", capabilities_required=["rare"], reason="r", timeout=60.0))
+        route = trusted.keys.route(set_id("rare"))
+        assert await trusted.redis.zscore(route.queue, handle.handoff_id) is not None  # waiting for an agent
+        assert (await client.cancel_handoff(handle.handoff_id)).status is HandoffStatus.CANCELLED
+        assert await trusted.redis.zscore(route.queue, handle.handoff_id) is None
+        assert await trusted.redis.hget(route.meta, handle.handoff_id) is None

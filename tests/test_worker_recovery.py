@@ -295,3 +295,41 @@ async def test_a_reclaim_that_fails_after_claiming_does_not_use_up_deliveries(bu
     assert len(failed) == 4
     assert await client.get_dead_letters("echo-1") == []  # tried once only: never poison
     assert record.status is HandoffStatus.COMPLETED and echo.order == [handle.handoff_id]
+
+
+async def test_the_registry_keeps_no_entry_of_a_worker_that_is_gone(bus: HandoffBus) -> None:
+    """A worker process that died (SIGKILL, OOM) never deregisters. Its entry in the agent's
+    workers hash must go once it is gone, as its consumer does: on a bus whose requests are
+    all addressed (nothing routes or lists agents), every crashed process stayed listed for
+    ever, one more hash field per restart."""
+    import json
+
+    from handoffbus.workers.inbox import Inbox
+
+    from .agents import Echo
+
+    client = bus.client("req")
+    workers = bus.keys.workers("echo-1")
+    # two processes that registered and died: one holding a handoff, one that took nothing
+    for name in ("dead-holding", "dead-idle"):
+        info = json.dumps({"consumer": name, "state": "RUNNABLE", "load": 0, "limit": 4, "capabilities": [],
+                           "started_ms": 0, "ttl_ms": 3000})
+        await bus.script("register", [workers, bus.keys.worker_beat("echo-1", name)], [name, info, 3000])
+    held = await client.request_handoff(req("req", "echo-1"))
+    _, [taken] = await Inbox(bus, "echo-1", "dead-holding").take(1)
+    for name in ("dead-holding", "dead-idle"):  # their heartbeats ran out
+        await bus.redis.delete(bus.keys.worker_beat("echo-1", name))
+    inbox = bus.keys.target("echo-1").inbox
+    async with anyio.create_task_group() as tg:
+        worker = Worker(bus, Echo(), reclaim_idle=0.05)
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            await held.outcome()  # taken over from the dead worker
+            while {r["name"] for r in await bus.redis.xinfo_consumers(inbox, GROUP)} != {worker.consumer.encode()}:
+                await worker.wait_reclaim_pass()  # its consumer retired
+            await worker.wait_reclaim_pass()
+            live = set(await bus.redis.hkeys(workers))
+        worker.drain()
+    assert taken.handoff_id == held.handoff_id
+    assert live == {worker.consumer.encode()}  # the live worker only: the dead ones are forgotten
+    assert await bus.redis.hkeys(workers) == []

@@ -94,18 +94,33 @@ class Inbox:
         return bool(await self._bus.script("requeue", self._keys, [GROUP, handoff_id, 0, self.consumer, "1"]))
 
     async def retire(self, consumers: Sequence[str]) -> int:
-        """Delete those of ``consumers`` that are gone and hold nothing from the group (see
-        retire-1.lua); returns how many were."""
-        beats = [self._bus.keys.worker_beat(self.agent, consumer) for consumer in consumers]
-        return int(await self._bus.script("retire", [self._keys[1], *beats], [GROUP, *consumers]))
+        """Forget those of ``consumers`` that are gone: their entries in the worker index, and
+        their consumers that hold nothing (see retire-2.lua); returns how many consumers were
+        deleted."""
+        keys = self._bus.keys
+        beats = [keys.worker_beat(self.agent, consumer) for consumer in consumers]
+        return int(await self._bus.script("retire", [self._keys[1], keys.workers(self.agent), *beats],
+                                          [GROUP, *consumers]))
 
-    async def retire_gone(self, limit: int = 100) -> int:
-        """Retire up to ``limit`` of the group's other consumers that hold nothing and are gone
-        (a worker that crashed, whose entries live workers took over)."""
-        rows = await self._bus.redis.xinfo_consumers(self._keys[1], GROUP)
-        idle = [name for row in rows if row["pending"] == 0
-                and (name := row["name"].decode(errors="replace")) != self.consumer]
-        return await self.retire(idle[:limit]) if idle else 0
+    async def retire_gone(self) -> int:
+        """Retire the other workers that are gone: the group's consumers that hold nothing (a
+        worker that crashed, whose entries live workers took over), and the worker index's
+        entries (a worker that crashed never deregisters)."""
+        bus = self._bus
+        async with bus.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(bus.keys.workers(self.agent))
+            pipe.xinfo_consumers(self._keys[1], GROUP)
+            registered, rows = await pipe.execute(raise_on_error=False)
+        if isinstance(registered, Exception):
+            raise registered
+        names = [raw.decode(errors="replace") for raw in registered]
+        if not isinstance(rows, Exception):  # else no inbox or group yet: no consumer to retire
+            names += [row["name"].decode(errors="replace") for row in rows if row["pending"] == 0]
+        gone = [name for name in dict.fromkeys(names) if name != self.consumer]
+        retired = 0
+        for first in range(0, len(gone), 100):
+            retired += await self.retire(gone[first:first + 100])
+        return retired
 
     async def load(self, handoff_ids: Sequence[str]) -> list[Loaded | None]:
         """What each taken handoff's record says (None where it is gone), in one round trip."""
