@@ -135,6 +135,8 @@ class Sweeper:
                         # are out of the index). Left unsettled, an entry is settled by its take.
                         log.warning("expiry sweep: settling expired handoffs failed (%s)", exc)
                 await bus.drop_routes(unrouted)
+                if forsaken:
+                    await self._unqueue(forsaken)
                 if lapsed:
                     await self._reroute(lapsed)
                 if forsaken:
@@ -172,6 +174,25 @@ class Sweeper:
             if isinstance(reply, BaseException):
                 log.warning("expiry sweep: the routing guards of %s could not be set again (%s); its handoffs "
                             "wait for their deadlines", requester, reply)
+
+    async def _unqueue(self, forsaken: list[tuple[str, str]]) -> None:
+        """Take each lapsed offer's handoff out of its agent's own queue, where a redirect put
+        it (a routed handoff enters an agent's queue only so): the record no longer offers it
+        to that agent, so no worker of it may decide it, and left there it would be listed as
+        that agent's pending work and count against its ``max_queued`` until a worker of it
+        took it, for ever if the agent is gone. Done before the handoff is routed again, while
+        it is offered to no one: nothing can have queued it there again meanwhile."""
+        bus = self._bus
+        entries = [(bus.keys.target(agent).queue, handoff_id) for agent, handoff_id in forsaken
+                   if stored_names((agent.encode(),), "lapsed offers")]
+        try:
+            async with bus.redis.pipeline(transaction=False) as pipe:
+                for queue, handoff_id in entries:
+                    pipe.zrem(queue, handoff_id)
+                await pipe.execute()
+        except (RedisError, RedisClusterException, OSError) as exc:
+            log.warning("expiry sweep: could not take %d lapsed offers out of their agents' queues (%s)",
+                        len(forsaken), exc)
 
     async def _forsake(self, forsaken: list[tuple[str, str]]) -> None:
         """Take each lapsed offer's handoff out of its agent's inbox if the worker that pulled

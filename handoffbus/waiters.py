@@ -53,8 +53,8 @@ class Waiter:
     twice per handoff, and the scope costs about three times as much. Outer cancellation
     reaches the future as any await."""
 
-    __slots__ = ("_on_decision", "_on_outcome", "deadline_at", "decision", "handoff_id", "heard", "holders", "outcome",
-                 "since", "unread")
+    __slots__ = ("_derived", "_on_decision", "_on_outcome", "deadline_at", "decision", "handoff_id", "heard", "holders",
+                 "outcome", "since", "unread")
 
     def __init__(self, handoff_id: str) -> None:
         self.handoff_id = handoff_id
@@ -73,6 +73,9 @@ class Waiter:
         self.heard: tuple[int, int] | None = None
         #: responses for it the reader could not read (see ``nudge``)
         self.unread = 0
+        #: whether ``decision`` was made up from the outcome (its ACCEPTED entry not heard): the
+        #: record's, with the acceptance's own time and metadata, replaces it when read
+        self._derived = False
 
     async def wait_decided(self, limit: float) -> None:
         """Until the decision is known, or for ``limit`` seconds at most."""
@@ -106,6 +109,7 @@ class Waiter:
                 self.decision = msgspec.structs.replace(
                     response, status=HandoffStatus.ACCEPTED, result=None, error=None, metadata={}
                 )
+                self._derived = True
             if self.decision is not None:
                 self.deadline_at = None  # decided: no deadline to wait for
                 _wake(self._on_decision)
@@ -116,9 +120,11 @@ class Waiter:
     def feed_record(self, record: HandoffRecord) -> None:
         if record.status is HandoffStatus.PENDING:
             return
-        if self.decision is None and record.status is not HandoffStatus.ACCEPTED and record.terminal:
+        if (self.decision is None or self._derived) and record.status is not HandoffStatus.ACCEPTED and record.terminal:
             accepted = next((h for h in record.history if h.status is HandoffStatus.ACCEPTED), None)
             if accepted is not None:
+                if self._derived:  # the record tells the acceptance whole
+                    self.decision, self._derived = None, False
                 self.feed(msgspec.structs.replace(
                     record.response, status=HandoffStatus.ACCEPTED, actor=accepted.actor,
                     result=None, error=None, metadata=record.accepted_metadata, timestamp_ms=accepted.at_ms,
@@ -197,6 +203,7 @@ class ResponseReader:
         waiter.since = since
         if waiter.heard is not None and waiter.heard <= since:
             waiter.decision = waiter.outcome = waiter.heard = None
+            waiter._derived = False
             self._waiters.setdefault(waiter.handoff_id, waiter)
 
     def release(self, waiter: Waiter) -> None:

@@ -663,3 +663,32 @@ async def test_a_refusals_retry_after_is_bounded(real_backend: str, servers: dic
         deferred = (await bus.redis.hget(keys[0], "deferred") or b"").decode()
         assert deferred_until(deferred, "a-1") is not None  # a time readers parse
         assert await feed.pull(1) == []  # still deferred
+
+
+async def test_a_redirect_whose_offer_lapsed_leaves_the_redirect_targets_queue(
+    real_backend: str, servers: dict
+) -> None:
+    """A refusal redirected a routed handoff into spec-r's own queue; spec-r never took it
+    (its workers are gone), the offer lapsed and the sweep routed the handoff again. Once the
+    handoff has ended, spec-r's queue must not hold it: no worker of an agent that never comes
+    back would settle it, and it counts against spec-r's ``max_queued`` and its pending list."""
+    async with make_bus(real_backend, servers, offer_time=0.2) as bus:
+        for agent, consumer in [("spec-a", "a1"), ("spec-r", "r1")]:
+            await live(bus, agent, consumer)
+        client = bus.client("req")
+        handle = await client.request_handoff(routed(["x"], timeout=60))
+        hid = handle.handoff_id
+        feed_a = RouteFeed(bus, "spec-a", ["x"], "a1")
+        await feed_a.refresh()
+        assert [d.handoff_id for d in await feed_a.pull(1)] == [hid]
+        await bus.client("spec-a").reject_handoff(hid, "ask R", code="REDIRECT", redirect_to="spec-r")
+        queue = bus.keys.target("spec-r").queue
+        assert await bus.redis.zscore(queue, hid) is not None  # offered to spec-r, in its own queue
+        with anyio.fail_after(10):  # spec-r never takes it: its offer lapses (in a pass run whole)
+            await bus.sweeper.wait_pass()
+            while not any(step.event == "LAPSED" for step in (await handle.status()).route):
+                await bus.sweeper.wait_pass()
+        assert await bus.client("spec-r").get_pending_handoffs() == []  # not offered to spec-r any more
+        await handle.cancel()
+        assert (await handle.status()).status is S.CANCELLED
+        assert await bus.redis.zscore(queue, hid) is None

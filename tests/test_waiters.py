@@ -699,3 +699,35 @@ async def test_a_record_stays_readable_when_the_acceptances_metadata_is_over_the
         assert record.response.result == "done" and record.accepted_metadata == {}
         whole = await large.client("a").get_handoff_status(handle.handoff_id)
         assert whole is not None and whole.accepted_metadata == {"blob": b"x" * 200_000}
+
+
+@pytest.mark.parametrize("server", list(SERVER_BINARIES))
+async def test_a_handle_attached_as_the_outcome_arrives_hears_the_acceptance_whole(
+    server: str, servers: Servers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handle attached from another process after the acceptance: its reader, already
+    running, hears COMPLETED while the handle's first read of the record is under way. The
+    decision must still be the acceptance as it was made (its metadata and its time), as the
+    record tells it, not one made up from the outcome."""
+    async with make_bus(server, servers) as bus, make_bus(server, servers, prefix=bus.config.prefix) as other:
+        alice, bob = bus.client("alice"), bus.client("bob")
+        await other.client("alice").request_handoff(req("alice", "bob", request_id="keep"))  # other's reader runs
+        handle = await alice.request_handoff(req("alice", "bob", request_id="r1"))
+        hid = handle.handoff_id
+        accepted = await bob.accept_handoff(hid, metadata={"eta_s": 30})
+        read_record, reader = other.read_record, other.reader("alice", other.client("alice")._refresh)
+
+        async def completed_meanwhile(handoff_id: str) -> Any:
+            if handoff_id == hid and reader.watching(hid):  # the outcome reaches the reader while the record is read
+                waiter = reader._waiters[hid]
+                await bob.complete_handoff(hid, result="done")
+                await waiter.wait_finished(5)
+                assert waiter.outcome is not None
+            return await read_record(handoff_id)
+
+        monkeypatch.setattr(other, "read_record", completed_meanwhile)
+        with anyio.fail_after(5):
+            attached = await other.client("alice").handle(hid).decision()
+        assert attached.status is HandoffStatus.ACCEPTED
+        assert attached.metadata == {"eta_s": 30}
+        assert attached == accepted
