@@ -24,7 +24,9 @@ from typing import Any
 import anyio
 from anyio.abc import TaskStatus
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from . import wire
 from .cluster import ClusterSender, is_cluster
 from .errors import HandoffbusError, ScriptsFlushed
 from .scripts import GET, SET, Reload, Script, Scripts
@@ -74,7 +76,13 @@ class ScriptBatcher:
             exc = self._refused[0]
             raise type(exc)(*exc.args)
         try:
-            await self._scripts.load_all(self._redis)
+            # bounded as the calls waiting on it: a server that stopped answering would hold
+            # this sender, and every call it took, for ever (redis-py sets no socket timeout)
+            source = len(self._scripts.source)
+            with anyio.fail_after(wire.REPLY_WAIT + source / wire.SLOWEST_LINK):
+                await self._scripts.load_all(self._redis)
+        except TimeoutError:
+            raise RedisTimeoutError(f"no reply to FUNCTION LOAD within {wire.REPLY_WAIT:g} s") from None
         except RedisError as exc:
             if refuses_writes(exc):
                 self._refused = (exc, time.monotonic() + REFUSED_LOAD_WAIT)

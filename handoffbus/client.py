@@ -183,6 +183,9 @@ class HandoffClient:
             if status is not None:  # a refused record says why first: the calls after it failed for it
                 for failed in followed:
                     if isinstance(failed, BaseException):
+                        # made all the same (code 1): counted now, as its resubmission joins it uncounted
+                        if bus.tally.made(handoff_id, "request", code):
+                            bus.tally.add(request.to_agent, "requested")
                         raise failed
             enqueued = followed[0] if request.to_agent and followed else None
             if enqueued == 1 and bus.isolated is None and (

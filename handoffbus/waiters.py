@@ -34,8 +34,11 @@ log = logging.getLogger("handoffbus")
 READ_COUNT = 512
 
 
-def entry_position(entry_id: bytes) -> tuple[int, int]:
+def entry_position(entry_id: bytes | str) -> tuple[int, int]:
     """A stream entry id as (ms, sequence), to compare two ids."""
+    if isinstance(entry_id, str):
+        text_ms, _, text_seq = entry_id.partition("-")
+        return int(text_ms), int(text_seq or 0)
     ms, _, seq = entry_id.partition(b"-")
     return int(ms), int(seq or 0)
 

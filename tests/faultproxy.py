@@ -17,6 +17,7 @@ class FaultProxy:
         self._open = anyio.Event()  # set: chunks flow; cleared by blackhole()
         self._open.set()
         self._cut_marker: bytes | None = None
+        self._stall_marker: bytes | None = None
         self.marker_seen = 0  # how often a chunk with the armed marker went to the server
         self.cuts = 0
         self._scopes: set[anyio.CancelScope] = set()
@@ -29,6 +30,12 @@ class FaultProxy:
         """The next connection to send ``marker`` to the server is killed right after the
         server received it: the command runs, its reply never reaches the client."""
         self._cut_marker = marker
+
+    def stall_on(self, marker: bytes) -> None:
+        """The next chunk carrying ``marker`` to the server, and every byte after it in both
+        directions, is held (as ``blackhole()``) until ``restore()``: the server stops answering
+        right before that command."""
+        self._stall_marker = marker
 
     def blackhole(self) -> None:
         """Hold every byte in both directions (connections stay open) until ``restore()``."""
@@ -66,6 +73,9 @@ class FaultProxy:
         with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             while True:
                 chunk = await source.receive()
+                if upstream and self._stall_marker is not None and self._stall_marker in chunk:
+                    self._stall_marker = None
+                    self.blackhole()
                 await self._open.wait()
                 if self.delay:
                     await anyio.sleep(self.delay)  # the injected latency

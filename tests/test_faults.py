@@ -471,3 +471,78 @@ async def test_isolated_reads_on_a_server_that_stopped_answering_fail_and_recove
         logging.getLogger("handoffbus").removeHandler(heard)
         await admin.aclose()
     assert handle.handoff_id.encode() in queued  # forwarded again: the read that failed was made anew
+
+
+async def test_a_take_whose_reply_was_lost_is_served_at_once(own_server: EmbeddedServer) -> None:
+    """The connection is cut right after a worker's take reached the server: the server moved
+    the handoff into this consumer's pending entries, the worker never heard of it. Left so,
+    it waited for a reclaim (``reclaim_idle`` after contact came back, 30 s by default) while
+    the worker idled, and a short request expired in the meantime."""
+    admin = aioredis.Redis.from_url(own_server.url)
+    async with anyio.create_task_group() as tg:
+        proxy = FaultProxy(own_server.port)
+        await tg.start(proxy.serve)
+        async with HandoffBus.connect(proxy.url, sweep_interval=0.05) as bus:
+            client, echo = bus.client("req"), Echo()
+            async with anyio.create_task_group() as workers:
+                worker = Worker(bus, echo)
+                await workers.start(worker.run)
+                await blocked_clients(admin, 1, "xread")  # the worker waits on its doorbell
+                proxy.cut_after(bus.scripts["take"].function.encode())
+                handle = await client.request_handoff(req("req", "echo-1", reason="x", timeout=5.0))
+                with anyio.fail_after(10):
+                    outcome = await handle.outcome()
+                worker.drain()
+        tg.cancel_scope.cancel()
+    await admin.aclose()
+    assert proxy.cuts == 1
+    assert outcome.status is S.COMPLETED and echo.order == [handle.handoff_id]
+
+
+async def test_a_request_whose_queue_entry_reply_was_lost_is_counted_once(own_server: EmbeddedServer) -> None:
+    """The record is made (code 1), the connection is cut after its queue entry was written:
+    the caller hears the error and resubmits, which joins the handoff (code 0). It was never
+    counted as requested: not by the call that made it, nor by the one that joined it."""
+    async with anyio.create_task_group() as tg:
+        proxy = FaultProxy(own_server.port)
+        await tg.start(proxy.serve)
+        async with HandoffBus.connect(proxy.url, sweep_interval=3600) as bus:
+            client = bus.client("req")
+            await bus.register_target("echo-1")
+            request = req("req", "echo-1", reason="once", request_id="lost-enqueue")
+            proxy.cut_after(bus.scripts["enqueue"].function.encode())
+            with pytest.raises(RedisConnectionError):
+                await client.request_handoff(request)
+            handle = await client.request_handoff(request)  # resubmitted, as the README says
+            await bus.stats.flush()
+            requested = await bus.redis.hget(bus.keys.stats("echo-1"), "requested")
+            queued = await bus.redis.zrange(bus.keys.target("echo-1").queue, 0, -1)
+        tg.cancel_scope.cancel()
+    assert proxy.cuts == 1 and queued == [handle.handoff_id.encode()]
+    assert requested == b"1"
+
+
+async def test_a_reload_on_a_server_that_stops_answering_fails_the_calls(
+    own_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call finds the library gone, and the server stops answering as the batcher loads it
+    again: the load (redis-py's, no socket timeout) held the sender and its calls for ever.
+    They fail as a stalled batch does, and the next call works once the server answers."""
+    monkeypatch.setattr(wire, "REPLY_WAIT", 0.5)
+    admin = aioredis.Redis.from_url(own_server.url)
+    async with anyio.create_task_group() as tg:
+        proxy = FaultProxy(own_server.port)
+        await tg.start(proxy.serve)
+        async with HandoffBus.connect(proxy.url, sweep_interval=3600) as bus:
+            client = bus.client("req")
+            assert await client.get_handoff_status("req/warm-up") is None
+            await admin.function_flush()  # the library is gone (a restart without persistence)
+            proxy.stall_on(b"FUNCTION")  # and the server stops answering as it is loaded again
+            with anyio.fail_after(5), pytest.raises(RedisTimeoutError):
+                await client.get_handoff_status("req/after")
+            proxy.restore()
+            with anyio.fail_after(10):
+                assert await client.get_handoff_status("req/again") is None
+            proxy.reset()
+        tg.cancel_scope.cancel()
+    await admin.aclose()

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
+from redis.exceptions import ResponseError
 
 from ..keys import GROUP
 from ..names import check_name
@@ -51,6 +52,26 @@ class Inbox:
             for i in range(1, len(reply), 2)
         ]
         return reply[0], taken
+
+    async def unseen(self, after: str, count: int) -> list[Delivery]:
+        """Up to ``count`` of this consumer's entries delivered after entry ``after`` by a take
+        (or an admit) whose reply was lost: the server delivered them, the worker never heard.
+        Delivered once (an entry claimed from another consumer has been delivered more)."""
+        redis = self._bus.redis
+        try:
+            rows = await redis.xpending_range(self._keys[1], GROUP, min=f"({after}", max="+", count=count,
+                                              consumername=self.consumer)
+        except ResponseError as exc:
+            if "NOGROUP" in str(exc):  # no group (yet, or deleted): nothing was delivered to this consumer
+                return []
+            raise
+        ids = [row["message_id"] for row in rows if int(row["times_delivered"]) == 1]
+        if not ids:
+            return []
+        wanted = set(ids)
+        entries = await redis.xrange(self._keys[1], min=ids[0], max=ids[-1])
+        return [Delivery(handoff_id=fields[b"h"].decode(errors="surrogateescape"), entry_id=eid.decode())
+                for eid, fields in entries if eid in wanted and fields.get(b"h") is not None]
 
     async def wait(self, bell: bytes, block_ms: int) -> bool:
         """Block until something is enqueued after ``bell`` (True) or ``block_ms`` pass (False).

@@ -38,6 +38,7 @@ from ..logs import AgentLog
 from ..models import TERMINAL, HandoffRequest, HandoffStatus
 from ..names import check_names
 from ..records import Loaded
+from ..waiters import entry_position
 from .agent import Agent, AgentState, RetryPolicy
 from .inbox import Delivery, Inbox
 from .keeper import Keeper
@@ -132,6 +133,10 @@ class Worker:
         self._give_back: list[tuple[str, HandoffRequest]] = []  # stopped before accepting: back to the queue
         #: taken, but their load failed: loaded and started first (or, stopping, handed back)
         self._carried: list[Delivery] = []
+        #: the last inbox entry this worker heard it was given, and whether a take (or a pull)
+        #: failed since: its reply may have been lost after the server delivered entries
+        self._last_entry = "0-0"
+        self._unheard = False
         self._active = 0
         self._changed = anyio.Event()  # a handler finished, or drain was asked for
         self._draining = False
@@ -384,15 +389,30 @@ class Worker:
             done: list[str] = []
             taken: list[Delivery] = []
             try:
+                if self._unheard:
+                    # what a take whose reply was lost delivered to this consumer: left alone, it
+                    # would wait for a reclaim (``reclaim_idle`` after contact came back, past
+                    # the deadline of a short request) while this worker idles
+                    known = {*self._entries.values(), *(d.entry_id for d in self._carried)}
+                    found = [d for d in await self._inbox.unseen(self._last_entry, self.concurrency)
+                             if d.entry_id not in known and d.handoff_id not in self._entries]
+                    self._unheard = False
+                    self._heard(found)
+                    self._carried = [*self._carried, *found]
                 if self._carried:
                     taken, self._carried = self._carried, []
                     loaded = await self._inbox.load([d.handoff_id for d in taken])
                     self._start(lanes, taken, loaded)
                     continue
                 done, self._done = self._done, []
+                self._unheard = True  # until the take (and a pull) answered
                 bell, taken = await self._inbox.take(free, settle=done)
+                self._heard(taken)
                 if len(taken) < free and self.agent.state is AgentState.RUNNABLE and self._routes.due(bell):
-                    taken += await self._routes.pull(free - len(taken))
+                    pulled = await self._routes.pull(free - len(taken))
+                    self._heard(pulled)
+                    taken += pulled
+                self._unheard = False
                 if not taken:
                     with anyio.CancelScope() as self._fetch_scope:
                         if self._draining:  # asked during the take, with no wait yet to cancel
@@ -422,6 +442,12 @@ class Worker:
                 continue
             backoff.reset()
             self._start(lanes, taken, loaded)
+
+    def _heard(self, taken: list[Delivery]) -> None:
+        """Note the last inbox entry given to this worker (a take, a pull and a look for the
+        unheard each give entries in the order they were added)."""
+        if taken and entry_position(taken[-1].entry_id) > entry_position(self._last_entry):
+            self._last_entry = taken[-1].entry_id
 
     def _start(self, lanes: Lanes, taken: list[Delivery], loaded: list[Loaded | None]) -> None:
         for delivery, row in zip(taken, loaded, strict=True):
