@@ -5,6 +5,7 @@ that met it, nor strands a handoff."""
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 from typing import Any
@@ -365,3 +366,134 @@ def test_a_malformed_resolution_is_a_decode_error() -> None:
                                    is_return=False, greeting="hi")
     assert received(msgspec.to_builtins(resolution)).resolution == resolution
     assert received("not a map").resolution is None
+
+
+# ---------------------------------------------------------------- hooks that hang or raise BaseExceptions
+
+
+class HangsOnFirst(Echo):
+    """Its acceptance hook never returns for a request whose reason is 'hang'."""
+
+    agent_id = "hangs-1"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = anyio.Event()
+
+    async def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+        if request.reason == "hang":
+            self.entered.set()
+            await anyio.sleep_forever()
+        return Accept()
+
+
+async def test_an_acceptance_hook_that_never_returns_gives_its_slot_back_at_the_deadline(real_bus: HandoffBus) -> None:
+    agent = HangsOnFirst()
+    client = real_bus.client("req")
+    async with serving(real_bus, agent, concurrency=1):
+        stuck = await client.request_handoff(req("req", agent.agent_id, reason="hang", timeout=0.5))
+        with anyio.fail_after(10):
+            await agent.entered.wait()
+            assert (await stuck.outcome()).status is HandoffStatus.EXPIRED
+        good = await client.request_handoff(req("req", agent.agent_id, reason="ok"))
+        with anyio.fail_after(10):
+            assert (await good.outcome()).status is HandoffStatus.COMPLETED
+
+
+class Interrupted(BaseException):
+    """What some libraries raise that is no Exception (gevent's Timeout, a framework's abort)."""
+
+
+class InterruptedOnce(Echo):
+    agent_id = "interrupted-1"
+    retry = RetryPolicy(attempts=2, delay=0, retry_on=(Interrupted,))
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        if handoff.attempt == 1:
+            raise Interrupted("first run cut short")
+        return await super().on_handoff_received(handoff)
+
+
+async def test_a_base_exception_the_retry_policy_names_is_retried(real_bus: HandoffBus) -> None:
+    agent = InterruptedOnce()
+    handle = await real_bus.client("req").request_handoff(req("req", agent.agent_id))
+    async with serving(real_bus, agent):
+        with anyio.fail_after(10):
+            outcome = await handle.outcome()
+    assert outcome.status is HandoffStatus.COMPLETED
+    assert outcome.result["attempt"] == 2
+
+
+class RefusesByRaising(Echo):
+    agent_id = "raises-base-1"
+
+    async def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+        if request.reason == "bad":
+            raise GeneratorExit("not an Exception")
+        return Accept()
+
+
+async def test_an_acceptance_hook_raising_a_base_exception_is_a_hook_failure(real_bus: HandoffBus) -> None:
+    agent = RefusesByRaising()
+    client = real_bus.client("req")
+    bad = await client.request_handoff(req("req", agent.agent_id, reason="bad"))
+    good = await client.request_handoff(req("req", agent.agent_id, reason="ok"))
+    async with serving(real_bus, agent, concurrency=1):
+        with anyio.fail_after(10):
+            refused, done = await bad.outcome(), await good.outcome()
+    assert refused.status is HandoffStatus.REJECTED and refused.rejection_code == "HOOK_FAILED"
+    assert done.status is HandoffStatus.COMPLETED
+
+
+class _NoOffset(datetime.tzinfo):
+    """A time zone whose offset cannot be read (a third-party tzinfo with a bug)."""
+
+    def utcoffset(self, dt: datetime.datetime | None) -> datetime.timedelta:
+        raise RuntimeError("no offset")
+
+
+class ReturnsABadTime(Echo):
+    agent_id = "bad-time-1"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs = 0
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        self.runs += 1
+        return {"when": datetime.datetime(2024, 1, 1, tzinfo=_NoOffset())}
+
+
+async def test_a_result_whose_encoding_raises_fails_its_handoff_once(real_bus: HandoffBus) -> None:
+    agent = ReturnsABadTime()
+    handle = await real_bus.client("req").request_handoff(req("req", agent.agent_id))
+    async with serving(real_bus, agent):
+        with anyio.fail_after(10):
+            outcome = await handle.outcome()
+    assert outcome.status is HandoffStatus.FAILED
+    assert outcome.error is not None and "result cannot be sent" in outcome.error
+    assert agent.runs == 1
+
+
+class TakesItsSteps(Echo):
+    """Takes its steps out of the request's metadata as it works; its first run then fails
+    for a moment (a tool's connection dropped)."""
+
+    agent_id = "takes-steps-1"
+    retry = RetryPolicy(attempts=2, delay=0)
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        steps = handoff.request.metadata.pop("steps")
+        if handoff.attempt == 1:
+            raise ConnectionError("the tool's connection dropped")
+        return {"steps": steps, "attempt": handoff.attempt}
+
+
+async def test_a_retry_runs_on_the_request_as_sent_not_as_the_last_run_left_it(real_bus: HandoffBus) -> None:
+    agent = TakesItsSteps()
+    handle = await real_bus.client("req").request_handoff(req("req", agent.agent_id, metadata={"steps": [1, 2]}))
+    async with serving(real_bus, agent):
+        with anyio.fail_after(10):
+            outcome = await handle.outcome()
+    assert outcome.status is HandoffStatus.COMPLETED, outcome.error
+    assert outcome.result == {"steps": [1, 2], "attempt": 2}

@@ -67,7 +67,9 @@ class PayloadCodec:
     def dumps(self, obj: Any) -> bytes:
         try:
             body = self._codec.encode(obj)
-        except (TypeError, ValueError, OverflowError, RecursionError) as exc:  # RecursionError: nested too deep
+        # RecursionError: nested too deep; anything else: user code the encoder calls (a tzinfo's
+        # utcoffset, a Struct's unset field) raised
+        except Exception as exc:
             raise EncodeError(f"cannot encode {type(obj).__name__}: {exc}") from None
         return framing.pack(body, threshold=self.compress_threshold, limit=self.limit)
 
@@ -89,7 +91,7 @@ class PayloadCodec:
         """
         try:
             body = msgpack_codec.encode(value)
-        except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+        except Exception as exc:  # as in dumps: what cannot be encoded is an EncodeError, whatever raised
             raise EncodeError(f"cannot encode {type(value).__name__}: {exc}") from None
         packed = framing.pack(body, threshold=self.compress_threshold, limit=self.limit)
         return (b"m" if packed is body else b"z") + packed

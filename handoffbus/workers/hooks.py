@@ -13,7 +13,7 @@ import anyio
 from ..errors import HandoffbusError
 from .agent import is_inline
 
-__all__ = ["HookCancelled", "call_hook", "describe", "sendable"]
+__all__ = ["HookCancelled", "HookTimedOut", "call_hook", "call_hook_within", "describe", "sendable", "stops"]
 
 
 def describe(exc: BaseException) -> str:
@@ -38,6 +38,15 @@ def sendable(text: str) -> str:
         return text.encode("utf-8", "backslashreplace").decode()
     return text
 
+
+
+def stops(exc: BaseException) -> bool:
+    """Whether what a hook's step raised stops the worker rather than fails the hook: an exit
+    or interrupt, or a cancellation of the handler (``call_hook`` turns a hook's own stray
+    CancelledError into HookCancelled). Any other BaseException (a library's own, a
+    GeneratorExit) is the hook's failure: raised on, it would end the lane and, through the
+    task group, the worker and every handoff it runs."""
+    return isinstance(exc, KeyboardInterrupt | SystemExit | anyio.get_cancelled_exc_class())
 
 
 class HookCancelled(HandoffbusError):
@@ -65,3 +74,41 @@ async def call_hook(hook: Callable[..., Any], arg: Any) -> Any:
         # not an Exception: raised on, it would end the lane and, through the task group, the worker
         raise HookCancelled(f"{getattr(hook, '__name__', 'hook')} raised CancelledError: {exc}") from exc
 
+
+
+class HookTimedOut(HandoffbusError):
+    """A hook ``call_hook_within`` cut short: it did not answer in the time it had."""
+
+
+async def call_hook_within(hook: Callable[..., Any], arg: Any, seconds: float | None) -> Any:
+    """``call_hook``, cut short after ``seconds`` (None: no bound) with ``HookTimedOut``. A
+    timer that cancels the handler's task, not a cancel scope: this runs for every handoff,
+    and a scope (anyio's or asyncio's) costs several times the timer. A cancellation from
+    elsewhere (a stop) meanwhile is raised on as it is."""
+    if seconds is None:
+        return await call_hook(hook, arg)
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    cut: list[bool] = []
+    timer = loop.call_later(seconds, _cut_short, task, cut)
+    try:
+        result = await call_hook(hook, arg)
+    except asyncio.CancelledError:
+        if cut and task.uncancel() == 0:  # this timer's cancel, and nothing else's
+            raise HookTimedOut(f"{getattr(hook, '__name__', 'hook')} did not answer within {seconds:g} s") from None
+        raise
+    except BaseException:
+        if cut:  # the hook made the timer's cancel another error: the task is not cancelled
+            task.uncancel()
+        raise
+    finally:
+        timer.cancel()
+    if cut:  # the hook swallowed the timer's cancel and answered
+        task.uncancel()
+    return result
+
+
+def _cut_short(task: asyncio.Task[Any], cut: list[bool]) -> None:
+    cut.append(True)
+    task.cancel()

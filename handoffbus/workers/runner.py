@@ -295,7 +295,8 @@ class Worker:
             del self._give_back[0]
 
     async def _join(self) -> None:
-        self._started_ms = await self.bus.server_time_ms()
+        # the bus's clock estimate, read now: judging an acceptance hook's deadline costs no round trip
+        self._started_ms = await self.bus.now_ms()
         await self._routes.refresh()
         await self._register()
 
@@ -496,7 +497,7 @@ class Worker:
                     status = await self._steps.work(hid, row.request, attempt, row.created_ms)
                 else:
                     after = "give back"  # nothing sent yet: a stop now hands it back to the queue
-                    decision = await self._steps.decide(hid, row.request)
+                    decision = await self._steps.decide(hid, row.request, row.deadline_ms)
                     after = "keep pending"  # from here a stop leaves it pending, to be reclaimed
                     status = await self._steps.act(hid, row.request, decision, row.created_ms)
             self.handled[status] = self.handled.get(status, 0) + 1

@@ -25,7 +25,7 @@ from ..names import split_handoff_id
 from ..policies.blobs import has_blobs, restore
 from ..records import Made
 from .agent import Accept, Agent, ReceivedHandoff, Reject
-from .hooks import call_hook, describe, sendable
+from .hooks import HookTimedOut, call_hook, call_hook_within, describe, sendable, stops
 from .keeper import Keeper
 
 if TYPE_CHECKING:
@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 __all__ = ["Steps"]
 
 T = TypeVar("T")
+
+#: seconds past a handoff's deadline an acceptance hook still running is cut short: by then
+#: the sweep made it EXPIRED, and the hook would hold its worker's slot for nothing
+DECIDE_MARGIN = 1.0
 
 
 def from_sw4rm(response: HandoffResponse) -> Accept | Reject:
@@ -72,10 +76,19 @@ class Steps:
             raise_for_code(int(reply[0]), hid, self.agent.agent_id, "reclaim", reply[1] if len(reply) > 1 else None)
         return int(reply[1])
 
-    async def decide(self, hid: str, request: HandoffRequest) -> Accept | Reject:
+    async def decide(self, hid: str, request: HandoffRequest, deadline_ms: int = 0) -> Accept | Reject:
+        """The acceptance hook's answer. One still running past the handoff's deadline is cut
+        short (it could never be sent), so that a hook that never returns gives its slot back."""
+        wait = max(deadline_ms - await self.bus.now_ms(), 0) / 1000 + DECIDE_MARGIN if deadline_ms else None
         try:
-            decision = await call_hook(self.agent.on_handoff_request, request)
-        except Exception as exc:
+            decision = await call_hook_within(self.agent.on_handoff_request, request, wait)
+        except HookTimedOut:
+            self._log.error("%s: acceptance hook for %s did not answer by the handoff's deadline", self.consumer,
+                            hid, extra={"handoff_id": hid})
+            return Reject(reason="acceptance hook did not answer by the handoff's deadline", code="HOOK_TIMEOUT")
+        except BaseException as exc:
+            if stops(exc):
+                raise
             self._log.exception("%s: acceptance hook failed for %s", self.consumer, hid, extra={"handoff_id": hid})
             return Reject(reason=f"acceptance hook failed: {describe(exc)}", code="HOOK_FAILED")
         if isinstance(decision, HandoffResponse):
@@ -124,6 +137,12 @@ class Steps:
         async def renew() -> None:
             await self.renew(hid)
 
+        # each run gets the request as sent: a hook may change its metadata as it works, and a
+        # retry must not see what the failed run left (a takeover reads it from Redis anyway)
+        try:
+            sent = msgspec.msgpack.encode(request) if policy.attempts > attempt else None
+        except Exception:  # the acceptance hook put something in it that cannot be copied: kept as it is
+            sent = None
         while True:
             try:
                 received = ReceivedHandoff.of(hid, request, attempt, renew, client,
@@ -137,7 +156,9 @@ class Steps:
                 break
             except LeaseLost:
                 raise
-            except Exception as exc:
+            except BaseException as exc:
+                if stops(exc):
+                    raise
                 if not policy.should_retry(attempt, exc):
                     self._log.exception("%s: handler failed for %s (attempt %d)", self.consumer, hid, attempt,
                                        extra={"handoff_id": hid})
@@ -149,6 +170,8 @@ class Steps:
                                   self.consumer, hid, attempt, describe(exc), delay, extra={"handoff_id": hid})
             await anyio.sleep(delay)  # the retry backoff (a stop meanwhile leaves it pending)
             attempt = await self.take_over(hid, attempt, retry=True)
+            if sent is not None:
+                request = msgspec.msgpack.decode(sent, type=HandoffRequest)
         try:
             packed = None if result is None else codec.dumps_value(result)
         except (EncodeError, PayloadTooLarge) as exc:  # the same on every run: failed, not run again
