@@ -217,3 +217,30 @@ async def test_the_remote_runs_tokens_count_in_the_run_that_handed_to_it(backend
     usage = result.context_wrapper.usage
     assert result.final_output == "done"
     assert (usage.requests, usage.input_tokens, usage.output_tokens, usage.total_tokens) == (2, 50, 3, 53)
+
+
+async def test_a_structured_final_output_arrives_as_the_output_not_its_repr(real_backend: str, servers: dict) -> None:
+    """docs/policies.md: an SdkAgent's result is ``{"output": final_output, ...}``. An agent with
+    an ``output_type`` (a pydantic model, a list) sent ``str(final_output)`` instead: the
+    requester got ``"order='A-1' amount=900"``, a Python repr it cannot read back."""
+    from agents.testing import ModelStep, assistant_message
+    from pydantic import BaseModel
+
+    from handoffbus.integrations.openai_agents import SdkAgent
+
+    class Refund(BaseModel):
+        order: str
+        amount: int
+
+    refunds = Agent(name="refunds-1", output_type=Refund, model=ScriptedModel([ModelStep(
+        output=[assistant_message('{"order": "A-1", "amount": 900}')])]))
+    listing = Agent(name="lister-1", output_type=list[int], model=ScriptedModel([ModelStep(
+        output=[assistant_message('{"response": [1, 2]}')])]))
+    async with (make_bus(real_backend, servers) as bus,
+                serving(bus, SdkAgent(refunds, agent_id="refunds-1"), SdkAgent(listing, agent_id="lister-1"))):
+        client = bus.client("a-1")
+        with anyio.fail_after(20):
+            refund = await (await client.request_handoff(req("a-1", "refunds-1"))).outcome()
+            listed = await (await client.request_handoff(req("a-1", "lister-1"))).outcome()
+    assert refund.result["output"] == {"order": "A-1", "amount": 900}
+    assert listed.result["output"] == [1, 2]

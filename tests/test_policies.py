@@ -418,6 +418,21 @@ async def test_tool_calls_become_requests_or_errors_the_model_can_read() -> None
         await request_from_tool_call("delete_everything", {}, from_agent="Concierge")
 
 
+async def test_an_unknown_tool_is_answered_with_the_tools_the_model_may_call() -> None:
+    """docs/policies.md: a ``ToolCallError`` "lists what it may call instead". With a scenario
+    that is ``handoff_to_agent`` (not "none"), and a target disabled now is no tool to call."""
+    scenario = Scenario.load(BANKING)
+    with pytest.raises(ToolCallError) as unknown:
+        await request_from_tool_call("transfer_to_authagent", {"reason": "?"}, from_agent="Concierge",
+                                     scenario=scenario)
+    assert "the handoff tools are: handoff_to_agent" in str(unknown.value)
+    targets = [TransferTarget(agent="fraud-1"), TransferTarget(agent="off-1", is_enabled=False)]
+    with pytest.raises(ToolCallError) as unknown:
+        await request_from_tool_call("transfer_to_fraud", {}, from_agent="t", targets=targets)
+    assert "the handoff tools are: transfer_to_fraud_1" in str(unknown.value)
+    assert "transfer_to_off_1" not in str(unknown.value)
+
+
 # ---------------------------------------------------------------------- A2A
 
 

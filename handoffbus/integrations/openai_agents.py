@@ -196,7 +196,7 @@ class RemoteAgentModel:
             raise sdk.exceptions.AgentsException(f"remote agent {self.to_agent!r} ended {outcome.status.value}: "
                                                  f"{detail}")
         result = outcome.result
-        text = str(result.get("output", "")) if isinstance(result, dict) else str(result)
+        text = _output_text(result.get("output", "")) if isinstance(result, dict) else str(result)
         message = ResponseOutputMessage(id=f"hb-{handle.handoff_id}", type="message", role="assistant",
                                         status="completed", content=[ResponseOutputText(
                                             text=text, type="output_text", annotations=[], logprobs=[])])
@@ -216,6 +216,30 @@ def remote_agent(bus: HandoffBus, from_agent: str, to_agent: str, *, name: str |
     model_class = type("RemoteAgentModel", (RemoteAgentModel, _model_base()), {})
     return sdk.Agent(name=name or to_agent, handoff_description=handoff_description or f"the {to_agent} agent",
                      model=model_class(bus, from_agent, to_agent, **model_options))
+
+
+def _plain_output(output: Any) -> Any:
+    """A run's final output as a COMPLETED result carries it: a plain value as it is, a
+    structured one (an ``output_type``'s pydantic model or dataclass, a list or dict of them) as
+    the JSON data it stands for, and only what has none as its text."""
+    if output is None or isinstance(output, str | int | float | bool | bytes):
+        return output
+    from pydantic_core import to_jsonable_python  # the SDK's own dependency
+
+    try:
+        return to_jsonable_python(output)
+    except Exception:  # nothing JSON can hold (PydanticSerializationError)
+        return str(output)
+
+
+def _output_text(output: Any) -> str:
+    """A remote agent's output as this run's reply text: structured data as JSON."""
+    if isinstance(output, dict | list):
+        try:
+            return json.dumps(output, ensure_ascii=False)
+        except (TypeError, ValueError):
+            pass
+    return str(output)
 
 
 #: the token counts an SdkAgent's result reports, for the run that handed to it (its cost)
@@ -248,6 +272,6 @@ class SdkAgent(Agent):
             _serving.reset(serving)
         output = result.final_output
         usage = result.context_wrapper.usage
-        return {"output": output if isinstance(output, str | int | float | bool | None) else str(output),
+        return {"output": _plain_output(output),
                 "agent": result.last_agent.name,
                 "usage": {name: getattr(usage, name) for name in USAGE_FIELDS}}

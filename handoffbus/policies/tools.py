@@ -121,6 +121,17 @@ async def _enabled(flag: Any, run_context: Any) -> bool:
     return bool(value)
 
 
+async def _callable_tools(from_agent: str, scenario: Scenario | None, targets: Sequence[TransferTarget],
+                          run_context: Any) -> list[str]:
+    """The handoff tools the model may call now: ``handoff_to_agent`` where the scenario lets
+    this agent hand off, and the transfer tools of the targets enabled now."""
+    found = [HANDOFF_TOOL] if scenario is not None and scenario.targets(from_agent) else []
+    for tool_name, target in _by_tool_name(targets).items():
+        if await _enabled(target.is_enabled, run_context):
+            found.append(tool_name)
+    return found
+
+
 _SEND_AN_OBJECT = 'send an object like {"target_agent": "...", "reason": "..."}'
 
 
@@ -166,7 +177,9 @@ async def request_from_tool_call(
         raise ToolCallError("reason must be text without lone surrogates (an emoji cut in half?)") from None
     if name == HANDOFF_TOOL:
         if scenario is None:
-            raise ToolCallError(f"{HANDOFF_TOOL} is not available here")
+            callable_now = await _callable_tools(from_agent, scenario, targets, run_context)
+            raise ToolCallError(f"{HANDOFF_TOOL} is not available here; the handoff tools are: "
+                                f"{', '.join(callable_now) or 'none'}")
         allowed = scenario.targets(from_agent)
         target = args.get("target_agent")
         if target not in allowed:
@@ -176,7 +189,9 @@ async def request_from_tool_call(
         by_name = _by_tool_name(targets)
         chosen = by_name.get(name)
         if chosen is None:
-            raise ToolCallError(f"there is no tool {name!r}; the handoff tools are: {', '.join(by_name) or 'none'}")
+            callable_now = await _callable_tools(from_agent, scenario, targets, run_context)
+            raise ToolCallError(f"there is no tool {name!r}; the handoff tools are: "
+                                f"{', '.join(callable_now) or 'none'}")
         if not await _enabled(chosen.is_enabled, run_context):
             raise ToolCallError(f"{name} is not available right now")
         target = chosen.agent
