@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import time
 from collections import Counter
@@ -72,6 +73,11 @@ class HandoffBus:
     ) -> None:
         if config is not None and settings:
             raise InvalidRequest("pass either config or keyword settings, not both")
+        unknown = sorted(set(settings) - set(BusConfig.__struct_fields__))
+        if unknown:  # a TypeError from BusConfig would not say which settings there are
+            close = difflib.get_close_matches(unknown[0], BusConfig.__struct_fields__, n=1)
+            raise InvalidRequest(f"unknown setting {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                                 + f"; the settings are those of BusConfig: {', '.join(BusConfig.__struct_fields__)}")
         self.config = config or BusConfig(**settings)
         self.keys = Keys(self.config.prefix)
         self.codec: PayloadCodec = self.config.make_codec()

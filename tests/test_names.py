@@ -450,3 +450,9 @@ def test_settings_that_would_break_the_bus_later_are_refused(settings: dict[str,
 def test_settings_at_their_bounds_are_taken() -> None:
     config = BusConfig(read_block=0.001, sweep_batch=1, max_queued=0, max_pending=0, max_timeout=3600 * 24 * 365.0)
     assert config.read_block == 0.001 and config.max_queued == 0
+
+
+def test_an_unknown_setting_is_an_invalid_request_naming_the_settings() -> None:
+    # a plain TypeError from BusConfig ("Unexpected keyword argument"), no HandoffbusError
+    with pytest.raises(InvalidRequest, match=r"unknown setting 'max_queue' \(did you mean 'max_queued'\?\)"):
+        HandoffBus.memory(max_queue=5)
