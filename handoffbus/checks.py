@@ -16,13 +16,27 @@ from .errors import EncodeError, InvalidRequest, NotPermitted
 from .models import HandoffRequest
 from .names import check_name, check_names
 
-__all__ = ["MIN_TIMEOUT", "NOT_IDENTITY", "OFFER_MARK", "normalize_request", "rejection_fields",
-           "request_fingerprint"]
+__all__ = ["MAX_TEXT", "MIN_TIMEOUT", "NOT_IDENTITY", "OFFER_MARK", "check_text", "normalize_request",
+           "rejection_fields", "request_fingerprint"]
 
 _canonical = msgspec.msgpack.Encoder(order="sorted")
 
 #: the shortest acceptance timeout, in seconds (as config.check_seconds: Redis takes milliseconds)
 MIN_TIMEOUT = 0.001
+
+
+#: the longest reason or error text a transition writes, in characters: it goes into the record
+#: and the requester's response stream as it is, and read back by every status query
+MAX_TEXT = 64 * 1024
+
+
+def check_text(value: object, what: str) -> str:
+    """``value`` if it is a str of at most ``MAX_TEXT`` characters, else InvalidRequest."""
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{what} must be a str")
+    if len(value) > MAX_TEXT:
+        raise InvalidRequest(f"{what} is {len(value)} characters long; at most {MAX_TEXT}")
+    return value
 
 
 #: the longest a refusal may defer an agent (as long as any setting's seconds): the deferral is
@@ -34,8 +48,7 @@ def rejection_fields(
     reason: object, code: object, retry_after_ms: object, redirect_to: object
 ) -> dict[str, Any]:
     """Validate a rejection's details and return them as the reject script's fields."""
-    if not isinstance(reason, str):
-        raise InvalidRequest("reason must be a str")
+    check_text(reason, "reason")
     if code is not None:
         check_name(code, "rejection code")
     if redirect_to is not None:

@@ -12,7 +12,7 @@ import msgspec
 
 from . import deadletters, errors, tracing
 from .backoff import LOST_CONNECTION, Backoff, lost_connection
-from .checks import normalize_request, rejection_fields, request_fingerprint
+from .checks import check_text, normalize_request, rejection_fields, request_fingerprint
 from .errors import QUEUE_FULL, InvalidRequest, NotPermitted, raise_for_code
 from .handle import HandoffHandle
 from .models import (
@@ -398,14 +398,13 @@ class HandoffClient:
     async def fail_handoff(
         self, handoff_id: str, error: str, *, metadata: dict[str, Any] | None = None
     ) -> HandoffResponse:
-        if not isinstance(error, str):
-            raise InvalidRequest("error must be a str")
+        check_text(error, "error")
         return await self._transition("fail", handoff_id, {"error": error, "rmeta": self._meta(metadata)})
 
     async def cancel_handoff(self, handoff_id: str, *, reason: str | None = None) -> HandoffResponse:
         """Withdraw a PENDING handoff this agent requested."""
-        if reason is not None and not isinstance(reason, str):
-            raise InvalidRequest("reason must be a str")
+        if reason is not None:
+            check_text(reason, "reason")
         return await self._transition("cancel", handoff_id, {"reason": reason})
 
     # ------------------------------------------------------------------ reading

@@ -497,3 +497,52 @@ async def test_a_retry_runs_on_the_request_as_sent_not_as_the_last_run_left_it(r
             outcome = await handle.outcome()
     assert outcome.status is HandoffStatus.COMPLETED, outcome.error
     assert outcome.result == {"steps": [1, 2], "attempt": 2}
+
+
+# ---------------------------------------------------------------------- text of any length
+
+#: an error a library may raise: its message the whole body of a failed HTTP call
+HUGE = "upstream said: " + "x" * 300_000
+
+
+class FailsHugely(Echo):
+    agent_id = "huge-1"
+
+    async def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+        return Reject(reason=HUGE, code="UPSTREAM") if request.reason == "refuse" else Accept()
+
+    async def on_handoff_received(self, handoff: ReceivedHandoff) -> Any:
+        raise RuntimeError(HUGE)
+
+
+async def test_a_hooks_text_of_any_length_is_cut_not_written_whole(bus: HandoffBus) -> None:
+    """A reason or error text went into the record and the response stream whole: 300 KB a
+    handoff, read back by every status query. Cut to MAX_TEXT, and said to be cut."""
+    from handoffbus.checks import MAX_TEXT
+
+    client = bus.client("req")
+    refused = await client.request_handoff(req("req", "huge-1", reason="refuse"))
+    failed = await client.request_handoff(req("req", "huge-1", reason="work"))
+    async with serving(bus, FailsHugely()):
+        with anyio.fail_after(10):
+            refusal, failure = await refused.outcome(), await failed.outcome()
+    assert refusal.status is HandoffStatus.REJECTED and refusal.rejection_code == "UPSTREAM"  # not HOOK_FAILED
+    assert failure.status is HandoffStatus.FAILED
+    for text in (refusal.rejection_reason, failure.error):
+        assert text is not None and len(text) <= MAX_TEXT and text.endswith(" characters]")
+        assert "upstream said: xxx" in text
+
+
+async def test_text_over_the_limit_is_refused_by_the_api(bus: HandoffBus) -> None:
+    from handoffbus.checks import MAX_TEXT
+
+    client, worker = bus.client("req"), bus.client("huge-1")
+    handle = await client.request_handoff(req("req", "huge-1"))
+    with pytest.raises(InvalidRequest, match="at most"):
+        await worker.reject_handoff(handle.handoff_id, "x" * (MAX_TEXT + 1))
+    with pytest.raises(InvalidRequest, match="at most"):
+        await client.cancel_handoff(handle.handoff_id, reason="x" * (MAX_TEXT + 1))
+    await worker.accept_handoff(handle.handoff_id)
+    with pytest.raises(InvalidRequest, match="at most"):
+        await worker.fail_handoff(handle.handoff_id, "x" * (MAX_TEXT + 1))
+    assert (await worker.fail_handoff(handle.handoff_id, "x" * MAX_TEXT)).status is HandoffStatus.FAILED

@@ -10,6 +10,7 @@ from typing import Any
 
 import anyio
 
+from ..checks import MAX_TEXT
 from ..errors import HandoffbusError
 from .agent import is_inline
 
@@ -29,9 +30,13 @@ def describe(exc: BaseException) -> str:
 
 
 def sendable(text: str) -> str:
-    """``text`` as the record can hold it: UTF-8. A lone surrogate (what ``os.fsdecode`` makes
-    of a file name's bytes that are not UTF-8) becomes its escape, ``\\udcff``, so that a
-    hook's error or refusal still reaches the requester."""
+    """``text`` as the record can hold it: UTF-8, and at most ``MAX_TEXT`` characters (an
+    exception's message may hold a whole HTTP body; the rest is cut, and said to be). A lone
+    surrogate (what ``os.fsdecode`` makes of a file name's bytes that are not UTF-8) becomes
+    its escape, ``\\udcff``, so that a hook's error or refusal still reaches the requester."""
+    if len(text) > MAX_TEXT:
+        cut = f" [cut: {len(text)} characters]"
+        text = text[:MAX_TEXT - len(cut)] + cut
     try:
         text.encode()
     except UnicodeEncodeError:

@@ -101,11 +101,13 @@ class Steps:
             return Reject(reason="acceptance hook returned an invalid Accept: metadata must be a dict, "
                                  f"not {type(decision.metadata).__name__}", code="HOOK_FAILED")
         if isinstance(decision, Reject):
+            # its reason as the record can hold it first (a hook may give an exception's whole text)
+            reason = sendable(decision.reason) if isinstance(decision.reason, str) else decision.reason
             try:
-                rejection_fields(decision.reason, decision.code, decision.retry_after_ms, decision.redirect_to)
+                rejection_fields(reason, decision.code, decision.retry_after_ms, decision.redirect_to)
             except InvalidRequest as exc:
                 return Reject(reason=f"acceptance hook returned an invalid Reject: {exc}", code="HOOK_FAILED")
-            refusal: Reject = msgspec.structs.replace(decision, reason=sendable(decision.reason))
+            refusal: Reject = msgspec.structs.replace(decision, reason=reason)
             return refusal
         return decision
 
