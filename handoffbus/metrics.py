@@ -62,6 +62,7 @@ GAUGE_MODES = {
     "handoffbus_oldest_routed_age_seconds": "livemostrecent",
     "handoffbus_live_workers": "livemostrecent",
     "handoffbus_worker_heartbeat_timestamp_seconds": "livemax",
+    "handoffbus_agent_handoffs": "livemostrecent",
 }
 
 _marked_at_exit = False
@@ -123,6 +124,13 @@ class Metrics:
         self.live_workers = gauge("handoffbus_live_workers", "Live worker processes of the agent")
         self.heartbeat = gauge("handoffbus_worker_heartbeat_timestamp_seconds", "Redis time of the last "
                                "registry heartbeat of this process's worker of the agent")
+        # every process's counts, from the agent's stats hash: an expiry is counted by the
+        # process that made it (a sweep's lease holder, a requester reading at the deadline),
+        # which seldom serves metrics; this total does not depend on who scrapes whom
+        self.agent_handoffs = p.Gauge("handoffbus_agent_handoffs", "The agent's handoffs of every process since "
+                                      "its stats began, by event (requested, a status, redelivered; Redis's count: "
+                                      "take its rate)", ["agent", "event"], registry=registry,
+                                      multiprocess_mode=GAUGE_MODES["handoffbus_agent_handoffs"])
         _mark_dead_at_exit()
         bus.tally.listeners.append(self)
 
@@ -151,6 +159,8 @@ class Metrics:
             self.routed_waiting.labels(view.agent_id).set(view.routed)
             self.oldest_routed.labels(view.agent_id).set(view.oldest_routed_s or 0)
             self.live_workers.labels(view.agent_id).set(view.workers)
+            for event, count in view.counts.counts.items():
+                self.agent_handoffs.labels(view.agent_id, event).set(count)
         for agent, beat_ms in beats:
             if beat_ms:
                 self.heartbeat.labels(agent).set(beat_ms / 1000)

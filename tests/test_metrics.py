@@ -38,6 +38,7 @@ async def test_counters_and_histograms_follow_what_happens(real_backend: str, se
             with anyio.fail_after(20):
                 for handle in handles:
                     await handle.outcome()
+        await bus.stats.flush()  # the counts into Redis (about once a second on their own)
         await metrics.refresh(["echo-1", "nobody-1"], workers)  # drained: everything settled
 
     def value(name: str, **labels: str) -> float | None:
@@ -54,11 +55,15 @@ async def test_counters_and_histograms_follow_what_happens(real_backend: str, se
     assert value("handoffbus_decision_seconds_bucket", agent="echo-1", le="+Inf") == 4
     assert value("handoffbus_queue_depth", agent="echo-1") == 0
     assert value("handoffbus_inflight", agent="echo-1") == 0
+    # every process's counts, read from Redis: what the alerts use (an expiry is counted by the
+    # process that made it, seldom one that serves metrics)
+    assert value("handoffbus_agent_handoffs", agent="echo-1", event="COMPLETED") == 4
+    assert value("handoffbus_agent_handoffs", agent="nobody-1", event="EXPIRED") == 1
     assert (value("handoffbus_worker_heartbeat_timestamp_seconds", agent="echo-1") or 0) > 1.7e9
     # no handoff ids among the labels
     for family in registry.collect():
         for sample in family.samples:
-            assert set(sample.labels) <= {"agent", "status", "le"}, sample
+            assert set(sample.labels) <= {"agent", "status", "event", "le"}, sample
 
 
 def _free_port() -> int:
