@@ -21,7 +21,7 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from .errors import HandoffbusError
 from .keys import GROUP, RESTORED
-from .names import check_name, split_handoff_id, stored_names
+from .names import split_handoff_id, stored_names
 from .plainreads import refuses_scripts
 from .routing import Reroute
 
@@ -55,7 +55,6 @@ class Sweeper:
         self._refused_event = anyio.Event()
         #: requesters whose sweep script failed at their last pass (each is logged once as a warning)
         self._failing: set[str] = set()
-        #: members of the requesters set that are not text (each is logged once)
 
     async def wait_pass(self) -> None:
         """Return when this bus finishes its next sweep pass (expiry and queue settlement)."""
@@ -124,8 +123,9 @@ class Sweeper:
                         item = Reroute.read(values[:7], "expiry sweep")
                         if item is not None:
                             lapsed.append(item._replace(may_end=values[7] != b"0"))
-                            if values[8]:
-                                forsaken.append((values[8].decode(errors="replace"), item.handoff_id))
+                            # the agent the offer lapsed at (none for a guard), as the record names it
+                            forsaken += [(agent, item.handoff_id) for agent in stored_names(
+                                (values[8],) if values[8] else (), f"the record of {item.handoff_id}")]
                 if by_target:
                     try:
                         await bus.settle_expired(by_target)
@@ -183,12 +183,10 @@ class Sweeper:
         took it, for ever if the agent is gone. Done before the handoff is routed again, while
         it is offered to no one: nothing can have queued it there again meanwhile."""
         bus = self._bus
-        entries = [(bus.keys.target(agent).queue, handoff_id) for agent, handoff_id in forsaken
-                   if stored_names((agent.encode(),), "lapsed offers")]
         try:
             async with bus.redis.pipeline(transaction=False) as pipe:
-                for queue, handoff_id in entries:
-                    pipe.zrem(queue, handoff_id)
+                for agent, handoff_id in forsaken:
+                    pipe.zrem(bus.keys.target(agent).queue, handoff_id)
                 await pipe.execute()
         except (RedisError, RedisClusterException, OSError) as exc:
             log.warning("expiry sweep: could not take %d lapsed offers out of their agents' queues (%s)",
@@ -202,7 +200,6 @@ class Sweeper:
         bus = self._bus
         for agent, handoff_id in forsaken:
             try:
-                check_name(agent, "agent id")
                 keys = bus.keys.target(agent)
                 entry = await bus.redis.hget(keys.inflight, handoff_id)
                 if entry is None:
