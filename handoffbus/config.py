@@ -20,6 +20,11 @@ MAX_PRIORITY = 1000
 MAX_SWEEP_BATCH = 1_000_000
 #: The longest duration a setting may take: ten years, in seconds.
 MAX_SECONDS = 10 * 365 * 24 * 3600.0
+#: The longest route_age_step: 30 days, in seconds. A routed handoff's score,
+#: (requested ms + priority x step ms) x 1024 + n (see lua/route-4.lua), is a double: past 2^53
+#: the ticks of one millisecond would share a score, and FIFO within a priority would be lost
+#: (1000 x 30 days plus the time now stays below 2^53 / 1024 until about 2160).
+MAX_ROUTE_AGE_STEP = 30 * 24 * 3600.0
 
 
 def check_seconds(name: str, value: object, least: float = 0.001) -> None:
@@ -69,6 +74,9 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
                      "sweep_interval", "sweep_lease", "read_block", "scripts_recheck", "route_age_step",
                      "offer_time", "route_claim", "route_guard"):
             check_seconds(name, getattr(self, name))
+        if self.route_age_step > MAX_ROUTE_AGE_STEP:
+            raise InvalidRequest(f"route_age_step must be at most {MAX_ROUTE_AGE_STEP:.0f} seconds (30 days): "
+                                 "a larger one would lose FIFO order within a priority")
         if self.default_timeout > self.max_timeout:
             raise InvalidRequest("default_timeout exceeds max_timeout")
         for name in ("sweep_batch", "max_queued", "max_pending"):

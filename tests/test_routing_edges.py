@@ -465,6 +465,22 @@ async def test_an_agent_whose_deferral_passed_is_rung_and_may_be_redirected_to(r
     assert (await rung(now + 60000, "spec-a"))[1] is None  # the queue decides
 
 
+async def test_a_worker_pulls_only_the_sets_its_agent_was_granted(real_bus: HandoffBus) -> None:
+    """With grants set, "every bus routes an agent only what it both claims and was granted, and
+    an agent with no grant nothing" (README): a worker on a bus of its own (not isolated) of an
+    agent that claims x, granted none, pulled x's handoffs and was offered them."""
+    bus = real_bus
+    await bus.redis.hset(bus.keys.grants, mapping={"spec-b": "x"})
+    handle = await bus.client("req").request_handoff(routed(["x"]))
+    ungranted, granted = RouteFeed(bus, "spec-a", ["x"], "a1"), RouteFeed(bus, "spec-b", ["x"], "b1")
+    for feed in (ungranted, granted):
+        await feed.refresh()
+    assert await ungranted.pull(4) == []
+    assert [d.handoff_id for d in await granted.pull(4)] == [handle.handoff_id]
+    record = await handle.status()
+    assert record is not None and [(s.agent, s.event) for s in record.route] == [("spec-b", "OFFERED")]
+
+
 # ---------------------------------------------------------------------- head of line
 
 
@@ -553,6 +569,31 @@ async def test_fifo_within_a_priority_holds_past_1024_routes_in_a_millisecond(re
         await bus.scripts_many([("route", route.as_list(), [hid, 3, "+60000", ",", ",", step, 0]) for hid in ids])
         queued = [m.decode() for m in await bus.redis.zrange(route.queue, 0, -1)]
         assert queued == ids
+
+
+async def test_fifo_within_a_priority_holds_at_every_route_age_step_accepted(real_backend: str, servers: dict) -> None:
+    """A routed score, (requested + priority x step) x 1024 + n, is a double: past 2^53 the ticks
+    of one millisecond share a score and the members' names decide, not the order they were
+    routed in. A step that large (a year, ten: accepted, for "stricter priority") is refused;
+    every step accepted keeps FIFO at priorities +-1000."""
+    for days in (1, 30, 365, 3650):
+        try:
+            bus = make_bus(real_backend, servers, route_age_step=days * 86400.0)
+        except InvalidRequest:
+            assert days > 30
+            continue
+        async with bus:
+            route = bus.keys.route(set_id("x"))
+            step = int(bus.config.route_age_step * 1000)
+            for priority in (1000, -1000):
+                await bus.redis.delete(route.queue, route.meta)
+                # every tick in one (future) millisecond, however long the calls take
+                await bus.redis.set(route.seq, (await bus.server_time_ms() + 60_000) * 1024)
+                ids = [f"req/r{9 - i}" for i in range(8)]  # named in the reverse of their order
+                await bus.scripts_many([("route", route.as_list(), [hid, priority, "+600000", ",", ",", step, 0])
+                                        for hid in ids])
+                queued = [m.decode() for m in await bus.redis.zrange(route.queue, 0, -1)]
+                assert queued == ids, (days, priority)
 
 
 # ---------------------------------------------------------------------- ended while routed

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CallRefused
 from ..keys import GROUP
-from ..routing import Reroute, serves
+from ..routing import Reroute, granted, serves
 from .inbox import Delivery
 
 if TYPE_CHECKING:
@@ -50,9 +50,15 @@ class RouteFeed:
         self._refused: dict[str, float] = {}  # set id -> when to try a refused set again (monotonic)
 
     async def refresh(self) -> None:
-        """Learn the capability sets requests were routed by, and keep those this agent serves."""
-        self.sets = {sid: caps for sid, caps in (await self._bus.router.sets()).items()
-                     if serves(self.capabilities, caps)}
+        """Learn the capability sets requests were routed by, and keep those this agent serves:
+        with grants set, only by the capabilities it was granted too (an isolated agent's
+        forwarder refuses the others' pulls; it cannot read the grants itself)."""
+        bus = self._bus
+        sets = await bus.router.sets()
+        capabilities: set[str] = set(self.capabilities)
+        if bus.isolated is None:
+            capabilities = granted(await bus.redis.hgetall(bus.keys.grants), self.agent, capabilities)
+        self.sets = {sid: caps for sid, caps in sets.items() if serves(capabilities, caps)}
 
     def due(self, bell: bytes) -> bool:
         """Whether to look at the sets now: the agent's doorbell rang (requesters ring it for
