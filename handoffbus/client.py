@@ -340,10 +340,12 @@ class HandoffClient:
             return refusal_response(handoff_id, self.agent_id, fields)
         if code == errors.EXPIRED and reply[1]:
             await bus.settle_expired({reply[1].decode(): [handoff_id]})
-        if (code == errors.EXPIRED or (name == "cancel" and code == 1)) and reply[1] == b"":
+        if ((code == errors.EXPIRED or (name == "cancel" and code == 1)) and reply[1] == b""
+                and not bus.forwarded(record_keys)):
             # a routed handoff that ended (expired by this call, or cancelled) while it waited in
             # its set's queue, offered to no one: out of that queue (an isolated agent's through
-            # the forwarder)
+            # the forwarder, for its own requests only: another's record it cannot read, and the
+            # forwarder unroutes only the sender's; a pull drops that entry)
             caps = await bus.redis.hget(record_keys[0], "caps")
             await bus.drop_routes([((caps or b"").decode(), handoff_id)])
         if code < 0:

@@ -134,14 +134,17 @@ def _distinct_keys(value: Any) -> None:
     """Raise ValueError for an object two of whose keys are one in JSON (``1`` and ``"1"``,
     ``True`` and ``"true"``): both would be written, and the reader keep only the last."""
     stack = [value]
-    while stack:
+    while stack:  # only containers are pushed: a context is mostly text
         item = stack.pop()
         if isinstance(item, dict):
             if not all(type(k) is str for k in item) and len({_key_text(k) for k in item}) < len(item):
                 raise ValueError(f"two keys of {sorted(map(repr, item))[:8]} are the same in JSON")
-            stack.extend(item.values())
-        elif isinstance(item, list | tuple):
-            stack.extend(item)
+            stack.extend(v for v in item.values() if type(v) is not str and isinstance(v, _CONTAINERS))
+        else:
+            stack.extend(v for v in item if type(v) is not str and isinstance(v, _CONTAINERS))
+
+
+_CONTAINERS = (dict, list, tuple)
 
 
 def _key_text(key: object) -> object:

@@ -881,3 +881,26 @@ async def test_an_isolated_requesters_routed_handoff_that_ended_leaves_its_sets_
         assert (await client.cancel_handoff(handle.handoff_id)).status is HandoffStatus.CANCELLED
         assert await trusted.redis.zscore(route.queue, handle.handoff_id) is None
         assert await trusted.redis.hget(route.meta, handle.handoff_id) is None
+
+
+async def test_an_isolated_agents_transition_on_an_expired_routed_handoff_is_handoff_expired(
+    real_backend: str, servers: dict
+) -> None:
+    """An isolated agent's accept (or a worker's late reject) meets a routed handoff offered to
+    no one whose deadline passed: the script expires it ({-3, ''}). The client then read the
+    requester's record for its capability set, a slot the agent's user may not reach: a
+    NoPermissionError instead of HandoffExpired (a worker logged it and left the entry to a
+    reclaim)."""
+    from handoffbus import HandoffExpired
+
+    async with isolated(real_backend, servers, ("req", "spec-a")) as setup:
+        await setup.trusted.sweeper.stop()  # the agent's own call is what expires it
+        client = setup.buses["req"].client("req")
+        handle = await client.request_handoff(
+            HandoffRequest(from_agent="req", to_agent="", capabilities_required=["x"], reason="r", timeout=60))
+        keys = setup.trusted.keys.record(*handle.handoff_id.split("/"))
+        record = keys.record
+        await setup.trusted.redis.delete(keys.marker)  # its deadline passed, as the scripts see it
+        with pytest.raises(HandoffExpired):
+            await setup.buses["spec-a"].client("spec-a").accept_handoff(handle.handoff_id)
+        assert (await setup.trusted.redis.hget(record, "status")) == b"EXPIRED"

@@ -546,3 +546,24 @@ async def test_text_over_the_limit_is_refused_by_the_api(bus: HandoffBus) -> Non
     with pytest.raises(InvalidRequest, match="at most"):
         await worker.fail_handoff(handle.handoff_id, "x" * (MAX_TEXT + 1))
     assert (await worker.fail_handoff(handle.handoff_id, "x" * MAX_TEXT)).status is HandoffStatus.FAILED
+
+
+class RaisesHugely(Echo):
+    agent_id = "raises-huge-1"
+
+    async def on_handoff_request(self, request: HandoffRequest) -> Accept | Reject:
+        raise RuntimeError(HUGE)
+
+
+async def test_an_acceptance_hook_raising_a_huge_error_is_refused_once(bus: HandoffBus) -> None:
+    """decide() cut the hook's error to MAX_TEXT, then put 'acceptance hook failed: ' before
+    it: act's rejection_fields refused the reason (InvalidRequest) and the handoff stayed
+    pending, its hook run again by every reclaim until it was dead-lettered."""
+    from handoffbus.checks import MAX_TEXT
+
+    handle = await bus.client("req").request_handoff(req("req", RaisesHugely.agent_id))
+    async with serving(bus, RaisesHugely()):
+        with anyio.fail_after(10):
+            refusal = await handle.outcome()
+    assert refusal.status is HandoffStatus.REJECTED and refusal.rejection_code == "HOOK_FAILED"
+    assert refusal.rejection_reason is not None and len(refusal.rejection_reason) <= MAX_TEXT
