@@ -28,6 +28,7 @@ import logging
 import time
 import weakref
 from collections import Counter
+from contextvars import ContextVar
 from typing import Any
 
 import anyio
@@ -348,15 +349,8 @@ class ClusterSender:
                     await _disconnect(conn)
 
     def _node_named(self, host: str, port: int) -> Any:
-        """The node an ASK names. One this client has not met is made from the reply, as
-        redis-py does for a MOVED: a new primary a scale-out reshards slots to serves none
-        yet, so no topology refresh (CLUSTER SLOTS) would list it."""
-        manager = self._redis.nodes_manager
-        node = manager.get_node(host=host, port=port)
-        if node is None:
-            node = ClusterNode(host, port, PRIMARY, **manager.connection_kwargs)
-            manager.set_nodes(manager.nodes_cache, {node.name: node})
-        return node
+        """The node an ASK names (see ``node_named``)."""
+        return node_named(self._redis.nodes_manager, host, port)
 
     async def _refresh_slots(self, failed: str | None = None) -> None:
         """Learn the cluster's slots again after a node failed (a failover may have moved them);
@@ -368,6 +362,62 @@ class ClusterSender:
             await self._redis.nodes_manager.initialize(last_failed_node_name=failed)
         except (RedisError, RedisClusterException, OSError) as exc:  # no node answered at all
             log.warning("could not refresh the cluster's slots (%s)", exc)
+
+
+def node_named(manager: Any, host: str, port: int) -> Any:
+    """The node an ASK names. One this client has not met is made from the reply, as
+    redis-py does for a MOVED: a new primary a scale-out reshards slots to serves none
+    yet, so no topology refresh (CLUSTER SLOTS) would list it."""
+    node = manager.get_node(host=host, port=port)
+    if node is None:
+        node = ClusterNode(host, port, PRIMARY, **manager.connection_kwargs)
+        manager.set_nodes(manager.nodes_cache, {node.name: node})
+    return node
+
+
+#: set while redis-py runs one of its own commands (``ClusterClient._execute_command``)
+_COMMANDING: ContextVar[bool] = ContextVar("handoffbus_commanding", default=False)
+
+
+class _Asked:
+    """The node an ASK names, for the one command redis-py sends there next. redis-py sends
+    ASKING as a command of its own, on a connection of the node's pool, then the command on
+    another whenever two are free: the importing node answers that one MOVED (back to the
+    source, which answers ASK again) until redis-py gives up (ClusterError "TTL exhausted").
+    Here ASKING is held and written with the command, on one connection."""
+
+    __slots__ = ("_asking", "_node")
+
+    def __init__(self, node: Any) -> None:
+        self._node = node
+        self._asking = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._node, name)
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        if args == ("ASKING",):
+            self._asking = True
+            return True
+        if not self._asking or kwargs.get("asking"):  # (redis-py folds its own for HIMPORT SET)
+            return await self._node.execute_command(*args, **kwargs)
+        self._asking = False
+        node = self._node
+        conn = node.acquire_connection()
+        try:
+            await node.disconnect_if_needed(conn)
+            await conn.send_packed_command(conn.pack_commands([("ASKING",), args]))
+            try:
+                await conn.read_response()
+            except BaseException:  # the command's reply would be left on the connection
+                await _disconnect(conn)
+                raise
+            return await node.parse_response(conn, args[0], **kwargs)
+        finally:
+            try:
+                await node.disconnect_if_needed(conn)
+            finally:
+                node.release(conn)
 
 
 async def _answers(node: Any) -> bool:
@@ -404,10 +454,37 @@ class ClusterClient(RedisCluster):
     """The cluster client the bus makes: redis-py's, with its own error for a cluster it cannot
     reach (no node answers its topology query, or its slots are not all covered) raised as the
     ConnectionError every loop backs off on. As RedisClusterException, which is no RedisError,
-    it ended the loops."""
+    it ended the loops. A MOVED updates the slot table, never more: redis-py's own commands
+    closed every connection of the client at every fifth MOVED (``reinitialize_steps``),
+    failing the script calls under way on every node and the blocking reads; ASK is followed
+    with ASKING on the command's own connection (``get_node``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("reinitialize_steps", 0)
+        super().__init__(*args, **kwargs)
 
     async def initialize(self, *args: Any, **kwargs: Any) -> RedisCluster:
         try:
             return await super().initialize(*args, **kwargs)
         except RedisClusterException as exc:
             raise unreachable(exc) from exc
+
+    async def _execute_command(self, target_node: Any, *args: Any, **kwargs: Any) -> Any:
+        token = _COMMANDING.set(True)
+        try:
+            return await super()._execute_command(target_node, *args, **kwargs)
+        finally:
+            _COMMANDING.reset(token)
+
+    def get_node(self, host: str | None = None, port: int | None = None, node_name: str | None = None) -> Any:
+        """As redis-py's; but where one of its commands looks up the node an ASK named (by name,
+        the one lookup a command makes), that node for the command (``_Asked``), made from
+        the name if this client has not met it (a new primary of a scale-out: redis-py found
+        none and raised AttributeError)."""
+        node = super().get_node(host, port, node_name)
+        if node_name is None or host is not None or port is not None or not _COMMANDING.get():
+            return node
+        if node is None:
+            host, _, port_text = node_name.rpartition(":")
+            node = node_named(self.nodes_manager, host, int(port_text))
+        return _Asked(node)

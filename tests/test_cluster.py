@@ -616,3 +616,139 @@ async def test_replies_read_before_a_nodes_connection_failed_reach_their_callers
         assert cut
         assert not isinstance(first, BaseException) and isinstance(second, RedisConnectionError), (first, second)
         assert await bus.redis.zrange(bus.keys.target("b").queue, 0, -1) == [b"a/r1", b"a/r2"]  # both ran
+
+
+@pytest.mark.parametrize("binary", list(SERVER_BINARIES))
+async def test_a_plain_read_asked_to_a_new_primary_during_a_scale_out_follows_the_ask(binary: str) -> None:
+    """redis-py's own commands (a listing, a response reader's XREAD, a worker's claims) follow
+    an ASK naming a primary that joined and serves no slot yet, as the script calls do: redis-py
+    looked the node up by name, found none, and raised AttributeError, out of the listing and
+    out of a response reader (which ended the bus)."""
+    cluster = await anyio.to_thread.run_sync(start_cluster, SERVER_BINARIES[binary], 2)
+    try:
+        new = await anyio.to_thread.run_sync(cluster.add_primary)
+        ids = await anyio.to_thread.run_sync(cluster.node_ids)
+        async with admin(cluster) as nodes, HandoffBus.connect(cluster.url, prefix=new_prefix()) as bus:
+            table = await nodes[0].execute_command("CLUSTER", "SLOTS")
+            agent = "lettered-0"
+            slot = key_slot(agent.encode())
+            src = [node.port for node in cluster.nodes].index(_owner(table, slot))
+            dst = cluster.nodes.index(new)
+            await nodes[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
+            await nodes[src].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
+            # no key of the slot on the source: it answers ASK, naming the new node
+            with anyio.fail_after(10):
+                assert await bus.client("req").get_dead_letters(agent) == []
+            for i in [dst, src, *(i for i in range(len(nodes)) if i not in (src, dst))]:
+                await nodes[i].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+    finally:
+        await anyio.to_thread.run_sync(cluster.stop)
+
+
+async def test_a_plain_read_of_a_migrating_slot_follows_the_ask(cluster: EmbeddedCluster) -> None:
+    """A slot half migrated: a key already moved is read from the importing node, with ASKING
+    on the same connection as the read. redis-py sent ASKING on one pooled connection and the
+    read on another, which the importing node answered MOVED (back to the source, which
+    answered ASK again): the read failed with ClusterError "TTL exhausted" whenever the
+    importing node's pool had two connections free."""
+    ids, ports = cluster.node_ids(), [node.port for node in cluster.nodes]
+    async with admin(cluster) as nodes, HandoffBus.connect(cluster.url, prefix=new_prefix()) as bus:
+        table = await nodes[0].execute_command("CLUSTER", "SLOTS")
+        agent = "lettered-1"
+        key = bus.keys.dead_letters(agent)
+        slot = key_slot(key.encode())
+        src = ports.index(_owner(table, slot))
+        dst = (src + 1) % len(nodes)
+        await nodes[src].xadd(key, {"h": "a/r1", "reason": "poison", "deliveries": 3, "consumer": "c"})
+        # the importing node's pool has connections free (as a busy bus's has)
+        there = next(f"{{x-{i}}}" for i in count() if _owner(table, key_slot(f"x-{i}".encode())) == ports[dst])
+        node = bus.redis.nodes_manager.get_node_from_slot(key_slot(there.encode()))
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(bus.redis.xlen, there)
+        assert len(node._free) >= 2
+        await nodes[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
+        await nodes[src].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
+        await nodes[src].execute_command("MIGRATE", "127.0.0.1", ports[dst], "", 0, 5000, "KEYS", key)
+        try:
+            with anyio.fail_after(10):
+                [letter] = await bus.client("req").get_dead_letters(agent)
+            assert letter.handoff_id == "a/r1" and letter.reason == "poison"
+        finally:
+            for i in [dst, src, *(i for i in range(len(nodes)) if i not in (src, dst))]:
+                await nodes[i].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+
+
+async def agreed(nodes: list[aioredis.Redis], slot: int, port: int) -> bool:
+    """Whether every node has ``port``'s node serving ``slot``, at one current epoch (a node's
+    epoch bumped by a move gossiped to all: else the next move's bump may collide, and the
+    nodes settle on different owners)."""
+    epochs = {(await node.execute_command("CLUSTER", "INFO")).split(b"cluster_current_epoch:")[1].split()[0]
+              for node in nodes}
+    owners = {_owner(await node.execute_command("CLUSTER", "SLOTS"), slot) for node in nodes}
+    return len(epochs) == 1 and owners == {port}
+
+
+async def test_slot_moves_seen_by_plain_reads_fail_no_call_in_flight(
+    cluster: EmbeddedCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slot moved: the next plain read of it is answered MOVED, and the client updates its
+    slot table. redis-py also closed every connection of the client at every fifth such
+    MOVED (``reinitialize_steps``), those of script calls under way on other nodes included:
+    a request to a node no slot move touched failed with ConnectionError."""
+    ids, ports = cluster.node_ids(), [node.port for node in cluster.nodes]
+    under_way = anyio.Event()
+
+    def seen_sending(calls: list[Any]) -> None:
+        if any(call.script.name == "request" and "held-" in call.keys[0] for call in calls):
+            under_way.set()
+
+    exchange = clustering.exchange
+
+    async def watched(conn: Any, calls: list[Any], *args: Any, **kwargs: Any) -> list[Any]:
+        seen_sending(calls)
+        return await exchange(conn, calls, *args, **kwargs)
+
+    async with admin(cluster) as nodes, HandoffBus.connect(cluster.url, prefix=new_prefix()) as bus:
+        table = await nodes[0].execute_command("CLUSTER", "SLOTS")
+        slot = key_slot(b"moving-0")
+        home = ports.index(_owner(table, slot))
+        away = (home + 1) % len(nodes)
+        still = next(i for i in range(len(nodes)) if i not in (home, away))  # its slots stay
+        requester = next(f"held-{i}" for i in count() if _owner(table, key_slot(f"held-{i}".encode())) == ports[still])
+        client, lister = bus.client(requester), bus.client("lister")
+        with anyio.fail_after(10):
+            while not await agreed(nodes, slot, ports[home]):  # noqa: ASYNC110  (an earlier test's moves settle)
+                await anyio.sleep(0.01)
+        await client.request_handoff(req(requester, "echo-1", request_id="first"))
+        handles: list[HandoffHandle] = []
+
+        async def request() -> None:
+            handles.append(await client.request_handoff(req(requester, "echo-1", request_id="held")))
+
+        for move in range(5):
+            src, dst = (home, away) if move % 2 == 0 else (away, home)
+            await nodes[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
+            await nodes[src].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
+            for i in [dst, src, still]:
+                await nodes[i].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+            with anyio.fail_after(10):  # the nodes agree on the owner and on the epoch before the next move
+                while not await agreed(nodes, slot, ports[dst]):  # noqa: ASYNC110
+                    await anyio.sleep(0.01)  # polling the cluster's state
+            if move < 4:
+                assert await lister.get_dead_letters("moving-0") == []  # answered MOVED first
+                continue
+            # the fifth: a request is under way on the third node meanwhile (held there by a pause)
+            await nodes[still].execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+            monkeypatch.setattr(clustering, "exchange", watched)
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(request)
+                    with anyio.fail_after(10):
+                        await under_way.wait()
+                        assert await lister.get_dead_letters("moving-0") == []  # answered MOVED first
+                    await nodes[still].execute_command("CLIENT", "UNPAUSE")
+            finally:
+                await nodes[still].execute_command("CLIENT", "UNPAUSE")
+        [handle] = handles
+        assert (await client.get_handoff_status(handle.handoff_id)) is not None
