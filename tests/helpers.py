@@ -21,11 +21,23 @@ from handoffbus import (
     HandoffHandle,
     HandoffRequest,
     HandoffResponse,
+    HandoffStatus,
     serialize_context,
 )
 from handoffbus.workers import Agent, Worker
 
 ROOT = Path(__file__).resolve().parent.parent
+
+#: each transition: (the status it moves to, the statuses it may leave, who may make it), as
+#: lua/includes/record.lua's run_transition has it; the state machine tests' model
+ACTIONS: dict[str, tuple[HandoffStatus, frozenset[HandoffStatus], str]] = {
+    "accept": (HandoffStatus.ACCEPTED, frozenset({HandoffStatus.PENDING}), "target"),
+    "reject": (HandoffStatus.REJECTED, frozenset({HandoffStatus.PENDING}), "target"),
+    "complete": (HandoffStatus.COMPLETED, frozenset({HandoffStatus.ACCEPTED}), "owner"),
+    "fail": (HandoffStatus.FAILED, frozenset({HandoffStatus.ACCEPTED}), "owner"),
+    "cancel": (HandoffStatus.CANCELLED, frozenset({HandoffStatus.PENDING}), "requester"),
+}
+
 #: a context of 8 messages, over ``scripts.INLINE_ENVELOPE``: its envelope goes by plain SET and GET
 LARGE = serialize_context(HandoffContext(conversation_history=[
     ConversationEntry(role="user", content=f"{i}:" + "h" * 4096) for i in range(8)]))

@@ -493,6 +493,34 @@ async def test_a_plain_url_to_a_cluster_node_opens_a_cluster_bus(cluster: Embedd
             assert (await handle.decision()).status is S.ACCEPTED
 
 
+@asynccontextmanager
+async def scaling_out(binary: str, tag: str) -> AsyncIterator[tuple[HandoffBus, Any]]:
+    """A cluster of two primaries and a third that joined serving no slot, ``tag``'s slot
+    half migrated to it (IMPORTING there, MIGRATING at its owner), a bus on it, and
+    ``finish()``: the migration ended (the slot the new node's), which returns the new node's
+    admin client."""
+    cluster = await anyio.to_thread.run_sync(start_cluster, SERVER_BINARIES[binary], 2)
+    try:
+        new = await anyio.to_thread.run_sync(cluster.add_primary)
+        ids = await anyio.to_thread.run_sync(cluster.node_ids)
+        async with admin(cluster) as nodes, HandoffBus.connect(cluster.url, prefix=new_prefix()) as bus:
+            table = await nodes[0].execute_command("CLUSTER", "SLOTS")
+            slot = key_slot(tag.encode())  # its keys' hash tag
+            src = [node.port for node in cluster.nodes].index(_owner(table, slot))
+            dst = cluster.nodes.index(new)
+            await nodes[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
+            await nodes[src].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
+
+            async def finish() -> aioredis.Redis:
+                for i in [dst, src, *(i for i in range(len(nodes)) if i not in (src, dst))]:
+                    await nodes[i].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+                return nodes[dst]
+
+            yield bus, finish
+    finally:
+        await anyio.to_thread.run_sync(cluster.stop)
+
+
 @pytest.mark.parametrize("binary", list(SERVER_BINARIES))
 async def test_a_call_asked_to_a_new_primary_during_a_scale_out_follows_the_ask(
     binary: str, monkeypatch: pytest.MonkeyPatch
@@ -501,43 +529,30 @@ async def test_a_call_asked_to_a_new_primary_during_a_scale_out_follows_the_ask(
     keys are not on the source (a new requester's first request) is answered ASK, naming a
     node no slot table lists yet: it goes there and waits out the migration, where it failed
     with AskError."""
-    cluster = await anyio.to_thread.run_sync(start_cluster, SERVER_BINARIES[binary], 2)
-    try:
-        new = await anyio.to_thread.run_sync(cluster.add_primary)
-        ids = await anyio.to_thread.run_sync(cluster.node_ids)
-        async with admin(cluster) as nodes, HandoffBus.connect(cluster.url, prefix=new_prefix()) as bus:
-            table = await nodes[0].execute_command("CLUSTER", "SLOTS")
-            requester = "req-0"
-            slot = key_slot(requester.encode())  # its keys' hash tag
-            src = [node.port for node in cluster.nodes].index(_owner(table, slot))
-            dst = cluster.nodes.index(new)
-            await nodes[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
-            await nodes[src].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
-            handles: list[HandoffHandle] = []
-            asked, named = anyio.Event(), clustering.ClusterSender._node_named
+    requester = "req-0"
+    async with scaling_out(binary, requester) as (bus, finish):
+        handles: list[HandoffHandle] = []
+        asked, named = anyio.Event(), clustering.ClusterSender._node_named
 
-            def noting(sender: clustering.ClusterSender, host: str, port: int) -> Any:
-                asked.set()
-                return named(sender, host, port)
+        def noting(sender: clustering.ClusterSender, host: str, port: int) -> Any:
+            asked.set()
+            return named(sender, host, port)
 
-            monkeypatch.setattr(clustering.ClusterSender, "_node_named", noting)
+        monkeypatch.setattr(clustering.ClusterSender, "_node_named", noting)
 
-            async def request() -> None:
-                handles.append(await bus.client(requester).request_handoff(req(requester, "echo-1")))
+        async def request() -> None:
+            handles.append(await bus.client(requester).request_handoff(req(requester, "echo-1")))
 
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(request)
-                with anyio.fail_after(10):
-                    await asked.wait()  # the source answered ASK, naming the new node
-                assert not handles  # held back while the slot migrates
-                for i in [dst, src, *(i for i in range(len(nodes)) if i not in (src, dst))]:
-                    await nodes[i].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
-            [handle] = handles
-            record = await bus.client(requester).get_handoff_status(handle.handoff_id)
-            assert record is not None and record.status is S.PENDING
-            assert await nodes[dst].execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) > 0  # written there
-    finally:
-        await anyio.to_thread.run_sync(cluster.stop)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(request)
+            with anyio.fail_after(10):
+                await asked.wait()  # the source answered ASK, naming the new node
+            assert not handles  # held back while the slot migrates
+            importing = await finish()
+        [handle] = handles
+        record = await bus.client(requester).get_handoff_status(handle.handoff_id)
+        assert record is not None and record.status is S.PENDING
+        assert await importing.execute_command("CLUSTER", "COUNTKEYSINSLOT", key_slot(requester.encode())) > 0
 
 
 @pytest.mark.parametrize("binary", list(SERVER_BINARIES))
@@ -624,25 +639,12 @@ async def test_a_plain_read_asked_to_a_new_primary_during_a_scale_out_follows_th
     an ASK naming a primary that joined and serves no slot yet, as the script calls do: redis-py
     looked the node up by name, found none, and raised AttributeError, out of the listing and
     out of a response reader (which ended the bus)."""
-    cluster = await anyio.to_thread.run_sync(start_cluster, SERVER_BINARIES[binary], 2)
-    try:
-        new = await anyio.to_thread.run_sync(cluster.add_primary)
-        ids = await anyio.to_thread.run_sync(cluster.node_ids)
-        async with admin(cluster) as nodes, HandoffBus.connect(cluster.url, prefix=new_prefix()) as bus:
-            table = await nodes[0].execute_command("CLUSTER", "SLOTS")
-            agent = "lettered-0"
-            slot = key_slot(agent.encode())
-            src = [node.port for node in cluster.nodes].index(_owner(table, slot))
-            dst = cluster.nodes.index(new)
-            await nodes[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
-            await nodes[src].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
-            # no key of the slot on the source: it answers ASK, naming the new node
-            with anyio.fail_after(10):
-                assert await bus.client("req").get_dead_letters(agent) == []
-            for i in [dst, src, *(i for i in range(len(nodes)) if i not in (src, dst))]:
-                await nodes[i].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
-    finally:
-        await anyio.to_thread.run_sync(cluster.stop)
+    agent = "lettered-0"
+    async with scaling_out(binary, agent) as (bus, finish):
+        # no key of the slot on the source: it answers ASK, naming the new node
+        with anyio.fail_after(10):
+            assert await bus.client("req").get_dead_letters(agent) == []
+        await finish()
 
 
 async def test_a_plain_read_of_a_migrating_slot_follows_the_ask(cluster: EmbeddedCluster) -> None:

@@ -36,6 +36,7 @@ from handoffbus.models import DECISIONS, TERMINAL
 from handoffbus.records import response_from_fields
 
 from .conftest import Servers, make_bus
+from .helpers import ACTIONS
 
 S = HandoffStatus
 REQUESTERS = ("r1", "r2")
@@ -44,13 +45,6 @@ AGENTS = (*REQUESTERS, *TARGETS, "x")
 RIDS = ("a", "b", "c", "d", "e")
 CONSUMERS = ("w1", "w2")
 BUS = "bus"
-ACTIONS: dict[str, tuple[S, frozenset[S], str]] = {
-    "accept": (S.ACCEPTED, frozenset({S.PENDING}), "target"),
-    "reject": (S.REJECTED, frozenset({S.PENDING}), "target"),
-    "complete": (S.COMPLETED, frozenset({S.ACCEPTED}), "owner"),
-    "fail": (S.FAILED, frozenset({S.ACCEPTED}), "owner"),
-    "cancel": (S.CANCELLED, frozenset({S.PENDING}), "requester"),
-}
 
 
 @dataclass

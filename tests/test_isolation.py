@@ -26,6 +26,7 @@ from handoffbus import (
     CallRefused,
     HandoffBus,
     HandoffContext,
+    HandoffHandle,
     HandoffRequest,
     HandoffStatus,
     InvalidRequest,
@@ -822,18 +823,26 @@ async def test_a_call_whose_run_lost_the_forwarders_connection_is_not_answered_a
                 assert broke.is_set() and row[6] == handle.handoff_id.encode()
 
 
+async def routed_to_a_live(setup: Any, agent: str, request_timeout: float) -> HandoffHandle:
+    """``agent`` registered with a live worker serving x (a beat ten minutes ahead), and a
+    request from req routed by x."""
+    bus = setup.buses[agent]
+    now = int((await bus.redis.time())[0]) * 1000
+    await bus.redis.hset(bus.keys.workers(agent), "w1", json.dumps({
+        "consumer": "w1", "state": "RUNNABLE", "load": 0, "limit": 10, "capabilities": ["x"],
+        "beat_ms": now + 600_000, "ttl_ms": 600_000}))
+    return await setup.buses["req"].client("req").request_handoff(
+        HandoffRequest(from_agent="req", to_agent="", capabilities_required=["x"], reason="r",
+                       timeout=request_timeout))
+
+
 async def test_an_agents_pull_claims_routed_handoffs_for_the_buses_claim_time_only(
         real_backend: str, servers: dict) -> None:
     # the claim time is the bus's (route_claim): a pull asking for 10**12 ms hid every handoff it
     # took from every other agent serving the set until their deadlines, undecided and unoffered
     async with isolated(real_backend, servers) as setup:
         trusted, mallory = setup.trusted, setup.buses["mallory"]
-        now = int((await mallory.redis.time())[0]) * 1000
-        await mallory.redis.hset(mallory.keys.workers("mallory"), "w1", json.dumps({
-            "consumer": "w1", "state": "RUNNABLE", "load": 0, "limit": 10, "capabilities": ["x"],
-            "beat_ms": now + 600_000, "ttl_ms": 600_000}))
-        handle = await setup.buses["req"].client("req").request_handoff(
-            HandoffRequest(from_agent="req", to_agent="", capabilities_required=["x"], reason="r", timeout=600))
+        handle = await routed_to_a_live(setup, "mallory", 600)
         route = trusted.keys.route(set_id("x"))
         reply = await mallory.script("pull", route.as_list(), ["mallory", 1, 10**12, 64])
         assert reply[2:] == [handle.handoff_id.encode()]
@@ -850,12 +859,7 @@ async def test_an_agent_cannot_backdate_its_offer_in_the_requesters_record(
     # an isolated agent wrote an OFFERED step of 1970 (or of no time at all) into the requester's route
     async with isolated(real_backend, servers) as setup:
         echo = setup.buses["echo-1"]
-        now = int((await echo.redis.time())[0]) * 1000
-        await echo.redis.hset(echo.keys.workers("echo-1"), "w1", json.dumps({
-            "consumer": "w1", "state": "RUNNABLE", "load": 0, "limit": 10, "capabilities": ["x"],
-            "beat_ms": now + 600_000, "ttl_ms": 600_000}))
-        handle = await setup.buses["req"].client("req").request_handoff(
-            HandoffRequest(from_agent="req", to_agent="", capabilities_required=["x"], reason="r", timeout=60))
+        handle = await routed_to_a_live(setup, "echo-1", 60)
         keys = echo.keys.record("req", handle.request_id)
         offer = await echo.script("assign", keys.as_list(), [handle.handoff_id, handle.request_id, "echo-1",
                                                              30_000, 0, 0, chosen])

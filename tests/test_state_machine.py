@@ -58,7 +58,7 @@ from handoffbus.models import DECISIONS, TERMINAL, HandoffRecord, HandoffRequest
 from handoffbus.records import record_from_hash
 
 from .conftest import SERVER_BINARIES, Servers, start_server
-from .helpers import req
+from .helpers import ACTIONS, req
 
 S = HandoffStatus
 AGENTS = ("a1", "a2", "a3")
@@ -71,14 +71,6 @@ ACTORS = st.sampled_from((RIGHTFUL, *AGENTS))
 # few handoffs per run, so that runs go deep into each one's life rather than wide
 MAX_HANDOFFS = 5
 
-# action -> (status it moves to, statuses it may leave, who may make it): as in lua/*-4.lua
-ACTIONS: dict[str, tuple[S, frozenset[S], str]] = {
-    "accept": (S.ACCEPTED, frozenset({S.PENDING}), "target"),
-    "reject": (S.REJECTED, frozenset({S.PENDING}), "target"),
-    "complete": (S.COMPLETED, frozenset({S.ACCEPTED}), "owner"),
-    "fail": (S.FAILED, frozenset({S.ACCEPTED}), "owner"),
-    "cancel": (S.CANCELLED, frozenset({S.PENDING}), "requester"),
-}
 REJECT_REASON = "busy"
 RESULT = {"ok": True, "n": 3}
 FAIL_ERROR = "boom"

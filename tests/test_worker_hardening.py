@@ -25,7 +25,7 @@ from handoffbus.workers import Accept, ReceivedHandoff, Reject, RetryPolicy
 from handoffbus.workers.inbox import Inbox
 
 from .agents import Echo
-from .helpers import live, req, routed, serving
+from .helpers import live, req, routed, serve_until_done, serving
 
 pytestmark = pytest.mark.anyio
 
@@ -417,9 +417,7 @@ class InterruptedOnce(Echo):
 async def test_a_base_exception_the_retry_policy_names_is_retried(real_bus: HandoffBus) -> None:
     agent = InterruptedOnce()
     handle = await real_bus.client("req").request_handoff(req("req", agent.agent_id))
-    async with serving(real_bus, agent):
-        with anyio.fail_after(10):
-            outcome = await handle.outcome()
+    [outcome], _ = await serve_until_done(real_bus, agent, [handle])
     assert outcome.status is HandoffStatus.COMPLETED
     assert outcome.result["attempt"] == 2
 
@@ -467,9 +465,7 @@ class ReturnsABadTime(Echo):
 async def test_a_result_whose_encoding_raises_fails_its_handoff_once(real_bus: HandoffBus) -> None:
     agent = ReturnsABadTime()
     handle = await real_bus.client("req").request_handoff(req("req", agent.agent_id))
-    async with serving(real_bus, agent):
-        with anyio.fail_after(10):
-            outcome = await handle.outcome()
+    [outcome], _ = await serve_until_done(real_bus, agent, [handle])
     assert outcome.status is HandoffStatus.FAILED
     assert outcome.error is not None and "result cannot be sent" in outcome.error
     assert agent.runs == 1
