@@ -563,3 +563,45 @@ async def test_an_acceptance_hook_raising_a_huge_error_is_refused_once(bus: Hand
             refusal = await handle.outcome()
     assert refusal.status is HandoffStatus.REJECTED and refusal.rejection_code == "HOOK_FAILED"
     assert refusal.rejection_reason is not None and len(refusal.rejection_reason) <= MAX_TEXT
+
+
+async def test_the_watchdog_cuts_short_only_hooks_past_their_time() -> None:
+    """One look cuts short the hooks past their time, and them only; a hook that swallows the
+    cancel answers, and leaves its task uncancelled (a later scope in the lane must work)."""
+    import asyncio
+
+    from handoffbus.workers.hooks import HookTimedOut, Watchdog
+
+    dog, started, outcomes = Watchdog(), {name: anyio.Event() for name in ("due", "later", "swallows")}, {}
+
+    async def hook(name: str) -> str:
+        started[name].set()
+        try:
+            await anyio.sleep_forever()
+        except asyncio.CancelledError:
+            if name != "swallows":
+                raise
+        return "answered"
+
+    async def run(name: str, seconds: float) -> None:
+        try:
+            outcomes[name] = await dog.call(hook, name, seconds)
+        except HookTimedOut:
+            outcomes[name] = "cut"
+        task = asyncio.current_task()
+        outcomes[f"{name} cancelling"] = task.cancelling() if task else None
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, "due", 0.0)
+        tg.start_soon(run, "later", 3600.0)
+        tg.start_soon(run, "swallows", 0.0)
+        with anyio.fail_after(5):
+            for event in started.values():
+                await event.wait()
+            dog.check()
+            while len(outcomes) < 4:
+                await anyio.lowlevel.checkpoint()
+        assert "later" not in outcomes  # not due: left running
+        tg.cancel_scope.cancel()
+    assert outcomes["due"] == "cut" and outcomes["swallows"] == "answered"
+    assert outcomes["due cancelling"] == 0 and outcomes["swallows cancelling"] == 0

@@ -14,7 +14,7 @@ from ..checks import MAX_TEXT
 from ..errors import HandoffbusError
 from .agent import is_inline
 
-__all__ = ["HookCancelled", "HookTimedOut", "call_hook", "call_hook_within", "describe", "sendable", "stops"]
+__all__ = ["HookCancelled", "HookTimedOut", "Watchdog", "call_hook", "describe", "sendable", "stops"]
 
 
 def describe(exc: BaseException) -> str:
@@ -82,38 +82,53 @@ async def call_hook(hook: Callable[..., Any], arg: Any) -> Any:
 
 
 class HookTimedOut(HandoffbusError):
-    """A hook ``call_hook_within`` cut short: it did not answer in the time it had."""
+    """A hook a ``Watchdog`` cut short: it did not answer in the time it had."""
 
 
-async def call_hook_within(hook: Callable[..., Any], arg: Any, seconds: float | None) -> Any:
-    """``call_hook``, cut short after ``seconds`` (None: no bound) with ``HookTimedOut``. A
-    timer that cancels the handler's task, not a cancel scope: this runs for every handoff,
-    and a scope (anyio's or asyncio's) costs several times the timer. A cancellation from
-    elsewhere (a stop) meanwhile is raised on as it is."""
-    if seconds is None:
-        return await call_hook(hook, arg)
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    assert task is not None
-    cut: list[bool] = []
-    timer = loop.call_later(seconds, _cut_short, task, cut)
-    try:
-        result = await call_hook(hook, arg)
-    except asyncio.CancelledError:
-        if cut and task.uncancel() == 0:  # this timer's cancel, and nothing else's
-            raise HookTimedOut(f"{getattr(hook, '__name__', 'hook')} did not answer within {seconds:g} s") from None
-        raise
-    except BaseException:
-        if cut:  # the hook made the timer's cancel another error: the task is not cancelled
+class Watchdog:
+    """Hooks that must answer by a time, cut short once past it by ``check()``, which the
+    worker runs about once a second: the hook's task is cancelled, and the hook's call raises
+    ``HookTimedOut``. This runs for every handoff, and a cancel scope or a timer per call
+    (anyio's, asyncio's or ``call_later``) cost each call several microseconds; this costs a
+    dict entry. A cancellation from elsewhere (a stop) meanwhile is raised on as it is."""
+
+    __slots__ = ("_due",)
+
+    def __init__(self) -> None:
+        #: the task of each hook running, with the loop time it must answer by and whether
+        #: check() cut it short
+        self._due: dict[asyncio.Task[Any], list[Any]] = {}
+
+    async def call(self, hook: Callable[..., Any], arg: Any, seconds: float | None) -> Any:
+        """``call_hook``, cut short after ``seconds`` or so (None: no bound)."""
+        if seconds is None:
+            return await call_hook(hook, arg)
+        task = asyncio.current_task()
+        assert task is not None
+        entry = [asyncio.get_running_loop().time() + seconds, False]
+        self._due[task] = entry
+        try:
+            result = await call_hook(hook, arg)
+        except asyncio.CancelledError:
+            if entry[1] and task.uncancel() == 0:  # the watchdog's cancel, and nothing else's
+                raise HookTimedOut(f"{getattr(hook, '__name__', 'hook')} did not answer within {seconds:g} s") from None
+            raise
+        except BaseException:
+            if entry[1]:  # the hook made the watchdog's cancel another error: the task is not cancelled
+                task.uncancel()
+            raise
+        finally:
+            del self._due[task]
+        if entry[1]:  # the hook swallowed the watchdog's cancel and answered
             task.uncancel()
-        raise
-    finally:
-        timer.cancel()
-    if cut:  # the hook swallowed the timer's cancel and answered
-        task.uncancel()
-    return result
+        return result
 
-
-def _cut_short(task: asyncio.Task[Any], cut: list[bool]) -> None:
-    cut.append(True)
-    task.cancel()
+    def check(self) -> None:
+        """Cut short every hook past its time."""
+        if not self._due:
+            return
+        now = asyncio.get_running_loop().time()
+        for task, entry in self._due.items():
+            if not entry[1] and entry[0] <= now:
+                entry[1] = True
+                task.cancel()

@@ -58,6 +58,8 @@ REGISTER_WAIT = 5.0
 SETTLE_DELAY = 0.02
 #: seconds a settle of finished handoffs may take once sent, a stop notwithstanding
 SETTLE_WAIT = 10.0
+#: how often a worker looks for acceptance hooks past their handoff's deadline (seconds)
+WATCHDOG_EVERY = 1.0
 #: the shortest reclaim time a worker takes (seconds)
 MIN_RECLAIM_IDLE = 0.01
 
@@ -175,6 +177,7 @@ class Worker:
                     lanes = Lanes(handlers, self.concurrency)
                     handlers.start_soon(self._registry_loop)
                     handlers.start_soon(self._heartbeat_loop)
+                    handlers.start_soon(self._watchdog_loop)
                     handlers.start_soon(self._settle_loop)
                     handlers.start_soon(self._reclaim_loop, lanes)
                     task_status.started()
@@ -348,6 +351,12 @@ class Worker:
             await anyio.sleep(self.reclaim_idle / 3)  # a timer: beats three times per idle period
             if self._entries:
                 await self._keeper.beat()
+
+    async def _watchdog_loop(self) -> None:
+        """Cut short acceptance hooks still running past their handoff's deadline (see Steps.decide)."""
+        while True:
+            await anyio.sleep(WATCHDOG_EVERY)  # a timer: one look a second, not one timer a handoff
+            self._steps.watchdog.check()
 
     async def wait_reclaim_pass(self) -> None:
         """Return after the reclaim loop's next look for idle entries (for operators and tests)."""

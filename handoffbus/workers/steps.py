@@ -25,7 +25,7 @@ from ..names import split_handoff_id
 from ..policies.blobs import has_blobs, restore
 from ..records import Made
 from .agent import Accept, Agent, ReceivedHandoff, Reject
-from .hooks import HookTimedOut, call_hook, call_hook_within, describe, sendable, stops
+from .hooks import HookTimedOut, Watchdog, call_hook, describe, sendable, stops
 from .keeper import Keeper
 
 if TYPE_CHECKING:
@@ -61,6 +61,8 @@ class Steps:
         self._log = log
         self._client = bus.client(agent.agent_id)
         self._inbox_key = bus.keys.target(agent.agent_id).inbox
+        #: acceptance hooks past their handoff's deadline are cut short (the worker checks it)
+        self.watchdog = Watchdog()
 
     async def take_over(self, hid: str, seen: int, *, retry: bool = False) -> int:
         """Hold the handoff's lease for a new run of its work after attempt ``seen``; returns
@@ -81,7 +83,7 @@ class Steps:
         short (it could never be sent), so that a hook that never returns gives its slot back."""
         wait = max(deadline_ms - await self.bus.now_ms(), 0) / 1000 + DECIDE_MARGIN if deadline_ms else None
         try:
-            decision = await call_hook_within(self.agent.on_handoff_request, request, wait)
+            decision = await self.watchdog.call(self.agent.on_handoff_request, request, wait)
         except HookTimedOut:
             self._log.error("%s: acceptance hook for %s did not answer by the handoff's deadline", self.consumer,
                             hid, extra={"handoff_id": hid})
