@@ -86,8 +86,8 @@ class HookTimedOut(HandoffbusError):
 
 
 class Watchdog:
-    """Hooks that must answer by a time, cut short once past it by ``check()``, which the
-    worker runs about once a second: the hook's task is cancelled, and the hook's call raises
+    """Hooks that must answer by a time (the server's, in ms), cut short once past it by
+    ``check()``, which the worker runs about once a second: the hook's task is cancelled, and the hook's call raises
     ``HookTimedOut``. This runs for every handoff, and a cancel scope or a timer per call
     (anyio's, asyncio's or ``call_later``) cost each call several microseconds; this costs a
     dict entry. A cancellation from elsewhere (a stop) meanwhile is raised on as it is."""
@@ -99,19 +99,20 @@ class Watchdog:
         #: check() cut it short
         self._due: dict[asyncio.Task[Any], list[Any]] = {}
 
-    async def call(self, hook: Callable[..., Any], arg: Any, seconds: float | None) -> Any:
-        """``call_hook``, cut short after ``seconds`` or so (None: no bound)."""
-        if seconds is None:
+    async def call(self, hook: Callable[..., Any], arg: Any, until_ms: int | None) -> Any:
+        """``call_hook``, cut short by the first ``check`` after ``until_ms`` (the server's time;
+        None: no bound)."""
+        if until_ms is None:
             return await call_hook(hook, arg)
         task = asyncio.current_task()
         assert task is not None
-        entry = [asyncio.get_running_loop().time() + seconds, False]
+        entry = [until_ms, False]
         self._due[task] = entry
         try:
             result = await call_hook(hook, arg)
         except asyncio.CancelledError:
             if entry[1] and task.uncancel() == 0:  # the watchdog's cancel, and nothing else's
-                raise HookTimedOut(f"{getattr(hook, '__name__', 'hook')} did not answer within {seconds:g} s") from None
+                raise HookTimedOut(f"{getattr(hook, '__name__', 'hook')} did not answer by {until_ms}") from None
             raise
         except BaseException:
             if entry[1]:  # the hook made the watchdog's cancel another error: the task is not cancelled
@@ -123,12 +124,9 @@ class Watchdog:
             task.uncancel()
         return result
 
-    def check(self) -> None:
-        """Cut short every hook past its time."""
-        if not self._due:
-            return
-        now = asyncio.get_running_loop().time()
+    def check(self, now_ms: int) -> None:
+        """Cut short every hook past its time at ``now_ms`` (the server's time)."""
         for task, entry in self._due.items():
-            if not entry[1] and entry[0] <= now:
+            if not entry[1] and entry[0] <= now_ms:
                 entry[1] = True
                 task.cancel()

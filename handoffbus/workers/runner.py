@@ -356,7 +356,7 @@ class Worker:
         """Cut short acceptance hooks still running past their handoff's deadline (see Steps.decide)."""
         while True:
             await anyio.sleep(WATCHDOG_EVERY)  # a timer: one look a second, not one timer a handoff
-            self._steps.watchdog.check()
+            self._steps.watchdog.check(await self.bus.now_ms())
 
     async def wait_reclaim_pass(self) -> None:
         """Return after the reclaim loop's next look for idle entries (for operators and tests)."""

@@ -35,9 +35,9 @@ __all__ = ["Steps"]
 
 T = TypeVar("T")
 
-#: seconds past a handoff's deadline an acceptance hook still running is cut short: by then
+#: ms past a handoff's deadline an acceptance hook still running is cut short: by then
 #: the sweep made it EXPIRED, and the hook would hold its worker's slot for nothing
-DECIDE_MARGIN = 1.0
+DECIDE_MARGIN_MS = 1000
 
 
 def from_sw4rm(response: HandoffResponse) -> Accept | Reject:
@@ -81,9 +81,9 @@ class Steps:
     async def decide(self, hid: str, request: HandoffRequest, deadline_ms: int = 0) -> Accept | Reject:
         """The acceptance hook's answer. One still running past the handoff's deadline is cut
         short (it could never be sent), so that a hook that never returns gives its slot back."""
-        wait = max(deadline_ms - await self.bus.now_ms(), 0) / 1000 + DECIDE_MARGIN if deadline_ms else None
+        until = deadline_ms + DECIDE_MARGIN_MS if deadline_ms else None
         try:
-            decision = await self.watchdog.call(self.agent.on_handoff_request, request, wait)
+            decision = await self.watchdog.call(self.agent.on_handoff_request, request, until)
         except HookTimedOut:
             self._log.error("%s: acceptance hook for %s did not answer by the handoff's deadline", self.consumer,
                             hid, extra={"handoff_id": hid})
