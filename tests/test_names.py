@@ -279,7 +279,8 @@ def scan(text: str, filename: str) -> tuple[list[str], list[str]]:
     from ``script_source`` (which reads the files under ``lua/``). Anything else that can put
     source on the wire is a violation: eval/exec/compile, a source sender given any other
     expression, ``execute_command`` with EVAL or SCRIPT/FUNCTION LOAD or a computed command
-    name, ``getattr`` of a source sender, and a hand-packed RESP constant naming one of those
+    name (but in a method ``execute_command`` that passes its own ``*args`` on unchanged),
+    ``getattr`` of a source sender, and a hand-packed RESP constant naming one of those
     commands. (Plain strings such as ACL command names are not calls and are left alone.)
     """
     tree = ast.parse(text, filename)
@@ -287,6 +288,16 @@ def scan(text: str, filename: str) -> tuple[list[str], list[str]]:
         id(node.body[0].value) for node in ast.walk(tree)
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
         and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+    }
+    # a method ``execute_command(self, *args, ...)`` that passes its own ``*args`` on unchanged
+    # builds no command: it forwards one built, and checked, where it was made
+    forwarded = {
+        id(call) for func in ast.walk(tree)
+        if isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef) and func.name == "execute_command"
+        and func.args.vararg is not None
+        for call in ast.walk(func)
+        if isinstance(call, ast.Call) and len(call.args) == 1 and isinstance(call.args[0], ast.Starred)
+        and isinstance(call.args[0].value, ast.Name) and call.args[0].value.id == func.args.vararg.arg
     }
     violations: list[str] = []
     senders: list[str] = []
@@ -307,7 +318,9 @@ def scan(text: str, filename: str) -> tuple[list[str], list[str]]:
                     flag(node, f"{name}() of something other than a Script's .source")
             if name == "execute_command":
                 command = node.args[0] if node.args else None
-                if not (isinstance(command, ast.Constant) and isinstance(command.value, str | bytes)):
+                if id(node) in forwarded:
+                    pass
+                elif not (isinstance(command, ast.Constant) and isinstance(command.value, str | bytes)):
                     flag(node, "execute_command with a computed command name")
                 elif SOURCE_COMMANDS.fullmatch(_text(command.value).strip()):
                     flag(node, f"execute_command({_text(command.value)!r}) sends source")
@@ -341,14 +354,16 @@ def scan(text: str, filename: str) -> tuple[list[str], list[str]]:
     'await r.function_load(code=f"#!lua name={lib}")',
     'pipe.execute_command("EVAL", src, 0)',
     "pipe.execute_command(command, src, 0)",
+    "async def execute_command(self, *args):\n    return await node.execute_command('EVAL', *args)",
+    "async def send(self, *args):\n    return await node.execute_command(*args)",
     'getattr(redis, "eval")(src, 0)',
     'raw = b"*3\\r\\n$4\\r\\nEVAL\\r\\n"',
     'await redis.execute_command("script load", src)',
     'await redis.execute_command(b"EVAL_RO", src, 0)',
     "eval(expression)",
     "script.source = text + extra",
-], ids=["f-string", "concat", "percent", "derived", "function", "raw-eval", "computed", "getattr", "resp",
-        "script-load", "eval-ro", "py-eval", "assigned"])
+], ids=["f-string", "concat", "percent", "derived", "function", "raw-eval", "computed", "forwarder-eval",
+        "not-a-forwarder", "getattr", "resp", "script-load", "eval-ro", "py-eval", "assigned"])
 def test_the_scan_catches_runtime_built_scripts(snippet: str) -> None:
     violations, _ = scan(snippet, "handoffbus/somewhere.py")
     assert violations, snippet
@@ -361,6 +376,8 @@ await redis.fcall(bus.scripts.lease.function, 1, key)
 pipe.execute_command("FCALL", call.script.function, len(call.keys), *call.keys)
 parts = [b"*%d\\r\\n$5\\r\\nFCALL\\r\\n" % n]
 _SCRIPTS = ("fcall", "eval", "function|load")  # ACL command names: not calls
+async def execute_command(self, *args, **kwargs):
+    return await self._node.execute_command(*args, **kwargs)
 """
     assert scan(allowed, "handoffbus/x.py")[0] == []
     for setter in ("self.source = script_source(name)", "self.source = library_source()"):
