@@ -14,7 +14,7 @@ from . import tracing
 from .config import MAX_PRIORITY, MAX_SECONDS
 from .errors import EncodeError, InvalidRequest, NotPermitted
 from .models import HandoffRequest
-from .names import check_name, check_names
+from .names import check_agent_id, check_name, check_names
 
 __all__ = ["MAX_TEXT", "MIN_TIMEOUT", "NOT_IDENTITY", "OFFER_MARK", "check_text", "normalize_request",
            "rejection_fields", "request_fingerprint"]
@@ -89,7 +89,7 @@ def normalize_request(
         raise InvalidRequest(f"expected HandoffRequest, got {type(request).__name__}")
     if request.from_agent != agent_id:
         raise NotPermitted("-", agent_id, f"send a request as {request.from_agent!r}")
-    to_agent = check_name(request.to_agent, "agent id") if request.to_agent else ""
+    to_agent = check_agent_id(request.to_agent) if request.to_agent else ""
     if to_agent == "" and not request.capabilities_required:
         raise InvalidRequest("a request needs to_agent, or capabilities_required for routing")
     caps = list(check_names(request.capabilities_required, "capability"))

@@ -26,7 +26,7 @@ from .models import (
     HandoffStatus,
     PendingHandoff,
 )
-from .names import check_name, join_handoff_id, split_handoff_id
+from .names import check_agent_id, check_name, join_handoff_id, split_handoff_id
 from .policies.context import without_history
 from .records import Made, response_from_reply
 from .routing import Call, Directory, capability_set, refusal_response, set_id
@@ -62,7 +62,7 @@ class HandoffClient:
 
     def __init__(self, bus: HandoffBus, agent_id: str) -> None:
         self._bus = bus
-        self.agent_id = check_name(agent_id, "agent id")
+        self.agent_id = check_agent_id(agent_id)
 
     def __repr__(self) -> str:
         return f"<HandoffClient {self.agent_id!r}>"

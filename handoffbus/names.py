@@ -14,7 +14,8 @@ from functools import lru_cache
 
 from .errors import InvalidName
 
-__all__ = ["MAX_NAME_LENGTH", "check_name", "check_names", "join_handoff_id", "split_handoff_id", "stored_names"]
+__all__ = ["MAX_NAME_LENGTH", "RESERVED_AGENT_IDS", "check_agent_id", "check_name", "check_names", "join_handoff_id",
+           "split_handoff_id", "stored_names"]
 
 log = logging.getLogger("handoffbus")
 
@@ -29,6 +30,19 @@ def check_name(value: object, what: str) -> str:
             f"invalid {what} {value!r}: use 1-{MAX_NAME_LENGTH} ASCII letters, digits or '-_.:'"
         )
     return value
+
+
+#: the names the bus itself acts under (an expiry's actor, the router's verdicts): an agent of
+#: that name would have its decisions pass for the bus's, which need no signature
+RESERVED_AGENT_IDS = frozenset({"bus", "_router"})
+
+
+def check_agent_id(value: object) -> str:
+    """``check_name`` for an agent that acts or is handed work: never one of the bus's own names."""
+    name = check_name(value, "agent id")
+    if name in RESERVED_AGENT_IDS:
+        raise InvalidName(f"agent id {name!r} is the bus's own (its expiries and routing verdicts act under it)")
+    return name
 
 
 def check_names(values: Iterable[object], what: str) -> tuple[str, ...]:

@@ -473,3 +473,16 @@ def test_an_unknown_setting_is_an_invalid_request_naming_the_settings() -> None:
     # a plain TypeError from BusConfig ("Unexpected keyword argument"), no HandoffbusError
     with pytest.raises(InvalidRequest, match=r"unknown setting 'max_queue' \(did you mean 'max_queued'\?\)"):
         HandoffBus.memory(max_queue=5)
+
+
+async def test_the_bus_own_names_are_no_agent_ids() -> None:
+    """An agent named ``_router`` (or ``bus``) acted under the name the bus's own verdicts use:
+    repeating the router's NO_CAPABLE_AGENT, it got that refusal back as its own, and with a
+    keyring its decisions under that name would need no signature."""
+    async with HandoffBus.memory() as bus:
+        for name in ("bus", "_router"):
+            with pytest.raises(InvalidName, match="the bus's own"):
+                bus.client(name)
+            with pytest.raises(InvalidName, match="the bus's own"):
+                await bus.client("req").request_handoff(HandoffRequest(from_agent="req", to_agent=name))
+        assert bus.client("router").agent_id == "router"  # a name like them is fine
