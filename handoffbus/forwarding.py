@@ -465,10 +465,10 @@ class Forwarder:
                 for arg in args:
                     handoff_id = text(arg)
                     requester, request_id = split_handoff_id(handoff_id)
+                    if requester != sender:  # (no read of another's record)
+                        return f"unroute of {handoff_id!r}, which {sender!r} did not send"
                     status, caps = await bus.redis.hmget(bus.keys.record(requester, request_id).record,
                                                          ["status", "caps"])
-                    if requester != sender:
-                        return f"unroute of {handoff_id!r}, which {sender!r} did not send"
                     if status == b"PENDING":
                         return f"unroute of {handoff_id!r}, which is still pending"
                     if caps is not None and set_id(text(caps)) != sid:

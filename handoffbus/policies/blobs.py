@@ -42,7 +42,8 @@ _BLOB_REF_JSON = f'"{BLOB_REF}"'.encode()
 #: the fields of a reference, exactly as ``_ref`` writes them: a dict of the user's that merely
 #: has a ``$hb_blob`` key is data, not a reference (and never names a key for restore to read)
 _REF_FIELDS = frozenset({BLOB_REF, "size", "sha256", "kind"})
-_DIGEST = re.compile(r"[0-9a-f]{64}")
+#: a blob key (``Keys.blob``): the bus's prefix, a requester's slot, the content's digest
+_BLOB_KEY = re.compile(r"(.+):\{[^{}]+\}:blob:([0-9a-f]{64})")
 #: text may end in half an emoji (a lone surrogate), which a context carries (see context.py):
 #: stored as its three bytes, read back the same
 SURROGATES = "surrogatepass"
@@ -113,11 +114,10 @@ def _is_ref(bus: HandoffBus, value: Any) -> bool:
     blob key of this bus named by the reference's own digest."""
     if not isinstance(value, dict) or value.keys() != _REF_FIELDS:
         return False
-    key, digest = value[BLOB_REF], value["sha256"]
-    if not (isinstance(key, str) and isinstance(digest, str) and _DIGEST.fullmatch(digest)
-            and type(value["size"]) is int and value["kind"] in ("str", "bytes")):
-        return False
-    return re.fullmatch(rf"{re.escape(bus.keys.prefix)}:\{{[^{{}}]+\}}:blob:{digest}", key) is not None
+    key = value[BLOB_REF]
+    found = _BLOB_KEY.fullmatch(key) if isinstance(key, str) else None
+    return (found is not None and found[1] == bus.keys.prefix and found[2] == value["sha256"]
+            and type(value["size"]) is int and value["kind"] in ("str", "bytes"))
 
 
 def has_blobs(snapshot: bytes | None) -> bool:

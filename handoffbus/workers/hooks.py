@@ -17,16 +17,17 @@ from .agent import is_inline
 __all__ = ["HookCancelled", "HookTimedOut", "Watchdog", "call_hook", "describe", "sendable", "stops"]
 
 
-def describe(exc: BaseException) -> str:
-    """``"<type>: <message>"`` for the record, even when the exception's own ``__str__``
-    raises (a hook's custom exception): the handoff's outcome must still be sent."""
+def describe(exc: BaseException, prefix: str = "") -> str:
+    """``"<prefix><type>: <message>"`` as the record can hold it (``sendable``), even when the
+    exception's own ``__str__`` raises (a hook's custom exception): the handoff's outcome must
+    still be sent."""
     name = type(exc).__name__
     for show in (str, repr):
         try:
-            return sendable(f"{name}: {show(exc)}")
+            return sendable(f"{prefix}{name}: {show(exc)}")
         except Exception:  # e.g. a __str__ reading an attribute its __init__ never set
             continue
-    return name
+    return sendable(f"{prefix}{name}")
 
 
 def sendable(text: str) -> str:
@@ -42,7 +43,6 @@ def sendable(text: str) -> str:
     except UnicodeEncodeError:
         return text.encode("utf-8", "backslashreplace").decode()
     return text
-
 
 
 def stops(exc: BaseException) -> bool:
@@ -78,7 +78,6 @@ async def call_hook(hook: Callable[..., Any], arg: Any) -> Any:
             raise  # the handler itself is cancelled: a stop
         # not an Exception: raised on, it would end the lane and, through the task group, the worker
         raise HookCancelled(f"{getattr(hook, '__name__', 'hook')} raised CancelledError: {exc}") from exc
-
 
 
 class HookTimedOut(HandoffbusError):

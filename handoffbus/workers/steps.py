@@ -92,7 +92,7 @@ class Steps:
             if stops(exc):
                 raise
             self._log.exception("%s: acceptance hook failed for %s", self.consumer, hid, extra={"handoff_id": hid})
-            return Reject(reason=sendable(f"acceptance hook failed: {describe(exc)}"), code="HOOK_FAILED")
+            return Reject(reason=describe(exc, "acceptance hook failed: "), code="HOOK_FAILED")
         if isinstance(decision, HandoffResponse):
             decision = from_sw4rm(decision)
         if not isinstance(decision, Accept | Reject):
@@ -182,7 +182,7 @@ class Steps:
             self._log.error("%s: the result of %s cannot be sent: %s", self.consumer, hid, exc,
                             extra={"handoff_id": hid})
             with tracing.settle_span(self._inbox_key, hid, "FAILED"):
-                await self.send("fail", hid, {"error": sendable(f"result cannot be sent: {describe(exc)}"),
+                await self.send("fail", hid, {"error": describe(exc, "result cannot be sent: "),
                                                "lease": self.consumer}, created_ms)
             return HandoffStatus.FAILED
         with tracing.settle_span(self._inbox_key, hid, "COMPLETED"):
