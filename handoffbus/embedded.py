@@ -35,6 +35,8 @@ __all__ = ["EmbeddedCluster", "EmbeddedServer", "find_server_binary"]
 CLUSTER_SLOTS = 16384
 #: how long a started server has to answer a PING (seconds)
 READY_WAIT = 15.0
+#: times a server that lost a port picked for it is started again on fresh ones
+PORT_RETRIES = 5
 
 
 #: the server settings deploy/README.md advises, which the embedded server runs with
@@ -78,9 +80,14 @@ class EmbeddedServer:
     binary: str = field(default_factory=find_server_binary)
     extra_args: tuple[str, ...] = ()
     port: int = 0
+    #: a cluster node's bus port (``--cluster-port``); 0 for a server outside a cluster
+    bus_port: int = 0
     directory: Path | None = None
     process: subprocess.Popen[bytes] | None = None
     _tmp: tempfile.TemporaryDirectory[str] | None = None
+    #: the ports were picked here, not given: if another process binds one first, pick again
+    _picked: bool = False
+    _relaunches: int = 0
 
     @property
     def socket_path(self) -> Path:
@@ -99,6 +106,7 @@ class EmbeddedServer:
     def start(self) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="handoffbus-")
         self.directory = Path(self._tmp.name)
+        self._picked = not self.port
         self.port = self.port or _free_port()
         try:
             self._launch()
@@ -109,6 +117,7 @@ class EmbeddedServer:
     def restart(self) -> None:
         """Stop the process and start it again on the same directory, port and socket (with
         ``--appendonly yes`` in ``extra_args`` the data survives); call ``wait_ready`` after."""
+        self._picked = False  # its clients know it by these ports now
         self._terminate()
         self._launch()
 
@@ -123,7 +132,8 @@ class EmbeddedServer:
             # default 64 bytes would otherwise turn from a listpack into a hashtable (2.3x the memory)
             "--hash-max-listpack-value", str(HASH_MAX_LISTPACK_VALUE),
             "--hash-max-listpack-entries", str(HASH_MAX_LISTPACK_ENTRIES),
-            "--logfile", str(self.directory / "server.log"), *self.extra_args,
+            "--logfile", str(self.directory / "server.log"),
+            *(("--cluster-port", str(self.bus_port)) if self.bus_port else ()), *self.extra_args,
         ]
         try:
             self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -142,10 +152,8 @@ class EmbeddedServer:
     async def _poll_ready(self) -> None:
         assert self.process is not None
         while True:
-            if self.process.poll() is not None:
-                log = (self.directory / "server.log") if self.directory else None
-                detail = log.read_text()[-2000:] if log and log.exists() else ""
-                raise HandoffbusError(f"embedded server exited with {self.process.returncode}: {detail}")
+            if self.process.poll() is not None and not self.relaunch_if_port_taken():
+                raise HandoffbusError(f"embedded server exited with {self.process.returncode}: {self.log_tail()}")
             if self.socket_path.exists():
                 try:
                     stream = await anyio.connect_unix(str(self.socket_path))
@@ -158,6 +166,27 @@ class EmbeddedServer:
                         if (await stream.receive()).startswith((b"+PONG", b"-NOAUTH")):
                             return
             await anyio.sleep(0.01)  # polling a child process that has no readiness signal
+
+    def log_tail(self) -> str:
+        """The end of the server's log (what it said before it exited)."""
+        log = (self.directory / "server.log") if self.directory else None
+        return log.read_text(errors="replace")[-2000:] if log and log.exists() else ""
+
+    def relaunch_if_port_taken(self) -> bool:
+        """Start the exited server again on fresh ports if it exited because another process
+        bound a port picked for it: a port is picked by binding to port 0 and letting it go,
+        and something else may take it before the server binds it. A port the caller gave is
+        never changed. Whether it was started again."""
+        if (not self._picked or self._relaunches >= PORT_RETRIES or self.process is None
+                or self.process.poll() is None or "Address already in use" not in self.log_tail()):
+            return False
+        self._relaunches += 1
+        self.port = _free_port()
+        self.bus_port = self.bus_port and _free_port()
+        assert self.directory is not None
+        (self.directory / "server.log").unlink(missing_ok=True)
+        self._launch()
+        return True
 
     def _terminate(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -221,7 +250,6 @@ class EmbeddedCluster:
     binary: str = field(default_factory=find_server_binary)
     extra_args: tuple[str, ...] = ()
     nodes: list[EmbeddedServer] = field(default_factory=list)
-    _bus_ports: list[int] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -253,7 +281,7 @@ class EmbeddedCluster:
         node = self._start_node()
         with _node_client(self.nodes[0]) as first, _node_client(node) as new:
             _poll(f"node {node.port} to answer", functools.partial(_pings, new, node))
-            _cluster(first, "MEET", "127.0.0.1", node.port, self._bus_ports[-1])
+            _cluster(first, "MEET", "127.0.0.1", node.port, node.bus_port)
         for member in self.nodes:
             with _node_client(member) as client:
                 _poll(f"node {member.port} to see the whole cluster",
@@ -261,15 +289,13 @@ class EmbeddedCluster:
         return node
 
     def _start_node(self) -> EmbeddedServer:
-        # the bus port is chosen too: the default, port + 10000, may be taken or out of range
-        bus_port = _free_port()
-        node = EmbeddedServer(binary=self.binary, extra_args=(
+        # the bus port is picked too: the default, port + 10000, may be taken or out of range
+        node = EmbeddedServer(binary=self.binary, bus_port=_free_port(), extra_args=(
             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-            "--cluster-port", str(bus_port), "--cluster-node-timeout", "5000", *self.extra_args,
+            "--cluster-node-timeout", "5000", *self.extra_args,
         ))
         node.start()
         self.nodes.append(node)
-        self._bus_ports.append(bus_port)
         return node
 
     def _form(self) -> None:
@@ -283,8 +309,8 @@ class EmbeddedCluster:
                 _cluster(client, "SET-CONFIG-EPOCH", i + 1)
                 last = CLUSTER_SLOTS - 1 if i == len(clients) - 1 else (i + 1) * per_node - 1
                 _cluster(client, "ADDSLOTSRANGE", i * per_node, last)
-            for node, bus_port in zip(self.nodes[1:], self._bus_ports[1:], strict=True):
-                _cluster(clients[0], "MEET", "127.0.0.1", node.port, bus_port)
+            for node in self.nodes[1:]:
+                _cluster(clients[0], "MEET", "127.0.0.1", node.port, node.bus_port)
             for node, client in zip(self.nodes, clients, strict=True):
                 ok = functools.partial(_cluster_ok, client, len(clients))
                 _poll(f"node {node.port} to see the whole cluster", ok)
@@ -296,7 +322,6 @@ class EmbeddedCluster:
         for node in self.nodes:
             node.stop()
         self.nodes.clear()
-        self._bus_ports.clear()
 
     async def __aenter__(self) -> EmbeddedCluster:
         await anyio.to_thread.run_sync(self.start)
@@ -309,7 +334,9 @@ class EmbeddedCluster:
 
 def _pings(client: sync_redis.Redis, node: EmbeddedServer) -> bool:
     if node.process is None or node.process.poll() is not None:
-        raise HandoffbusError(f"embedded cluster node on port {node.port} exited")
+        if node.relaunch_if_port_taken():
+            return False  # on fresh ports (the MEETs, sent after every node answered, name them)
+        raise HandoffbusError(f"embedded cluster node on port {node.port} exited: {node.log_tail()}")
     try:
         return bool(client.ping())
     except (sync_redis.ConnectionError, FileNotFoundError):
