@@ -272,3 +272,14 @@ async def test_remove_all_tools_drops_legacy_function_results() -> None:
     assert [e.role for e in remove_all_tools(context).conversation_history] == ["user", "assistant"]
     kept = await apply_context_policy(context, ContextPolicy(drop_tool_results=True))
     assert "function" not in [e.role for e in kept.conversation_history]
+
+
+async def test_a_tool_call_without_the_reason_its_schema_requires_is_a_tool_call_error() -> None:
+    # taken as an empty reason, the handoff went out with nothing to tell the next agent why
+    with pytest.raises(ToolCallError, match=r'handoff_to_agent needs a reason: .*"reason": "\.\.\."'):
+        await request_from_tool_call("handoff_to_agent", {"target_agent": "B"}, from_agent="A", scenario=SCENARIO)
+    with pytest.raises(ToolCallError, match=r'transfer_to_b needs a reason: call it again with \{"reason": "\.\.\."\}'):
+        await request_from_tool_call("transfer_to_b", "{}", from_agent="A", targets=[TransferTarget(agent="B")])
+    made = await request_from_tool_call("transfer_to_b", {"reason": ""}, from_agent="A",
+                                        targets=[TransferTarget(agent="B")])
+    assert made.reason == ""  # given, if empty: the schema asks for the field, not for text in it

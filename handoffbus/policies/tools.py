@@ -195,4 +195,7 @@ async def request_from_tool_call(
         if not await _enabled(chosen.is_enabled, run_context):
             raise ToolCallError(f"{name} is not available right now")
         target = chosen.agent
+    if "reason" not in args:  # required by the tool's schema; a model outside strict mode may leave it out
+        example = '{"target_agent": "...", "reason": "..."}' if name == HANDOFF_TOOL else '{"reason": "..."}'
+        raise ToolCallError(f"{name} needs a reason: call it again with {example}")
     return HandoffRequest(from_agent=from_agent, to_agent=str(target), reason=reason, **request)
