@@ -439,14 +439,20 @@ class HandoffBus:
     async def settle(self, target: str, handoff_ids: list[str]) -> int:
         return int(await self.script(*self.settle_call(target, handoff_ids)))
 
+    async def settle_many(self, by_target: Mapping[str, list[str]]) -> dict[str, BaseException]:
+        """Settle handoffs in their targets' queues, in one round trip; the targets whose
+        settling failed, with why."""
+        replies = await self.scripts_many([self.settle_call(t, ids) for t, ids in by_target.items()])
+        return {t: reply for t, reply in zip(by_target, replies, strict=True) if isinstance(reply, BaseException)}
+
     async def settle_expired(self, by_target: Mapping[str, list[str]]) -> None:
         """Settle handoffs this process just made EXPIRED, in one round trip, and count them
-        for their targets."""
+        for their targets. Should it fail, the sweep settles them again (from the "~s:" entries
+        their expiry left in the deadline index: see sweep-1.lua)."""
         for target, ids in by_target.items():
             self.tally.add(target, "EXPIRED", len(ids))
-        for reply in await self.scripts_many([self.settle_call(t, ids) for t, ids in by_target.items()]):
-            if isinstance(reply, BaseException):
-                raise reply
+        for failure in (await self.settle_many(by_target)).values():
+            raise failure
 
     async def load_records(self, handoff_ids: Sequence[str]) -> list[Loaded | None]:
         """What each record holds (None where it is gone), in one round trip; never raises for

@@ -86,6 +86,7 @@ class Sweeper:
         async def flush() -> None:
             nonlocal expired
             by_target: dict[str, list[str]] = defaultdict(list)
+            again: dict[str, list[str]] = defaultdict(list)  # expired earlier, settled again (not counted)
             lapsed: list[Reroute] = []  # routed handoffs whose offer lapsed: route them again
             forsaken: list[tuple[str, str]] = []  # (agent, handoff id) of each lapsed offer
             unrouted: list[tuple[str, str]] = []  # (capability set, handoff id) of expired routed ones
@@ -108,16 +109,19 @@ class Sweeper:
                         continue
                     self._failing.discard(agent)
                     n_expired, n_lapsed = int(reply[0]), int(reply[1])
-                    expired += n_expired
-                    if n_expired + n_lapsed >= bus.config.sweep_batch:
-                        self.backlog = True  # a full batch: more may be due already
                     pairs_end = 2 + 3 * n_expired
+                    resettled = reply[pairs_end + 9 * n_lapsed:]
+                    expired += n_expired
+                    if n_expired + n_lapsed + len(resettled) // 2 >= bus.config.sweep_batch:
+                        self.backlog = True  # a full batch: more may be due already
                     for i in range(2, pairs_end, 3):
                         hid = reply[i].decode()
                         if reply[i + 1]:
                             by_target[reply[i + 1].decode()].append(hid)
                         if reply[i + 2]:  # routed: its set's queue may hold it still, for no one
                             unrouted.append((reply[i + 2].decode(), hid))
+                    for i in range(0, len(resettled), 2):  # expired before, their settling lost
+                        again[resettled[i + 1].decode()].append(resettled[i].decode())
                     for i in range(n_lapsed):
                         values = reply[pairs_end + 9 * i:pairs_end + 9 * i + 9]
                         item = Reroute.read(values[:7], "expiry sweep")
@@ -126,14 +130,8 @@ class Sweeper:
                             # the agent the offer lapsed at (none for a guard), as the record names it
                             forsaken += [(agent, item.handoff_id) for agent in stored_names(
                                 (values[8],) if values[8] else (), f"the record of {item.handoff_id}")]
-                if by_target:
-                    try:
-                        await bus.settle_expired(by_target)
-                    except (RedisError, RedisClusterException, OSError) as exc:
-                        # one target's queue failed (written by hand, its node out of reach): the
-                        # others were settled, and what follows must still run (the fired guards
-                        # are out of the index). Left unsettled, an entry is settled by its take.
-                        log.warning("expiry sweep: settling expired handoffs failed (%s)", exc)
+                if by_target or again:
+                    await self._settle(by_target, again)
                 await bus.drop_routes(unrouted)
                 if forsaken:
                     await self._unqueue(forsaken)
@@ -150,6 +148,44 @@ class Sweeper:
         if batch:
             await flush()
         return expired
+
+    async def _settle(self, expired: dict[str, list[str]], again: dict[str, list[str]]) -> None:
+        """Settle expired handoffs in their targets' queues (counting those expired by this pass),
+        then remove their "~s:" entries from their requesters' deadline indexes. A target whose
+        settling failed (written by hand, its node out of reach, a lost reply) keeps its
+        handoffs' entries, and a later sweep settles them again: left queued, a handoff would
+        stay there until a worker of its agent took it, for ever if none does, counted against
+        ``max_queued``. Never raises: what follows must still run (the fired guards are out of
+        the index)."""
+        bus = self._bus
+        for target, ids in expired.items():
+            bus.tally.add(target, "EXPIRED", len(ids))
+        todo: dict[str, list[str]] = defaultdict(list)
+        for by_target in (expired, again):
+            for target, ids in by_target.items():
+                todo[target] += ids
+        try:
+            failed = await bus.settle_many(todo)
+        except (RedisError, RedisClusterException, OSError) as exc:
+            failed = dict.fromkeys(todo, exc)
+        if failed:
+            log.warning("expiry sweep: settling expired handoffs of %d agents failed (%s); a later sweep settles "
+                        "them again", len(failed), next(iter(failed.values())))
+        entries: dict[str, list[str]] = defaultdict(list)
+        for target, ids in todo.items():
+            if target not in failed:
+                for handoff_id in ids:
+                    requester, request_id = split_handoff_id(handoff_id)
+                    entries[requester].append(f"~s:{request_id}")
+        if not entries:
+            return
+        try:
+            async with bus.redis.pipeline(transaction=False) as pipe:
+                for requester, members in entries.items():
+                    pipe.zrem(bus.keys.deadlines(requester), *members)
+                await pipe.execute()
+        except (RedisError, RedisClusterException, OSError) as exc:  # settled again later: no harm
+            log.warning("expiry sweep: could not clear the settle entries of %d requesters (%s)", len(entries), exc)
 
     async def _reroute(self, lapsed: list[Reroute]) -> None:
         """Route lapsed offers and fired guards again. Should that fail (their set's node out of
@@ -223,8 +259,15 @@ class Sweeper:
 
     async def release_lease(self) -> None:
         bus = self._bus
-        # straight to Redis: the script batcher may already be closed
-        await bus.redis.fcall(bus.scripts.lease.function, 1, bus.keys.sweep_lease, self._token, 0)
+        key = bus.keys.sweep_lease
+        call = ("FCALL", bus.scripts.lease.function, 1, key, self._token, 0)
+        # straight to Redis: the script batcher may already be closed. On a cluster, to the key's
+        # node: redis-py would ask its command parser's node for an FCALL's keys (COMMAND GETKEYS),
+        # a connection to a node the client may have dropped since, which its close never closes
+        if bus.is_cluster:
+            await bus.redis.execute_command(*call, target_nodes=bus.redis.get_node_from_key(key))
+        else:
+            await bus.redis.execute_command(*call)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self._stopped = anyio.Event()

@@ -754,3 +754,25 @@ async def test_slot_moves_seen_by_plain_reads_fail_no_call_in_flight(
                 await nodes[still].execute_command("CLIENT", "UNPAUSE")
         [handle] = handles
         assert (await client.get_handoff_status(handle.handoff_id)) is not None
+
+
+async def test_the_sweep_lease_is_released_on_its_node_without_asking_a_node_for_the_keys(
+        cluster: EmbeddedCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """redis-py finds an FCALL's keys with COMMAND GETKEYS, sent on a connection of its command
+    parser's node: one the client may have dropped since (a topology refresh), whose connection
+    no close reaches. The lease, released as the bus closes, is sent to its key's node."""
+    asked: list[tuple[Any, ...]] = []
+    async with HandoffBus.connect(cluster.url, prefix=new_prefix()) as bus:
+        parser = bus.redis.commands_parser
+        get_keys = parser.get_keys
+
+        async def spied(*args: Any) -> Any:
+            asked.append(args)
+            return await get_keys(*args)
+
+        monkeypatch.setattr(parser, "get_keys", spied)
+        lease = bus.keys.sweep_lease
+        assert await bus.redis.get(lease) is not None  # held by this open bus
+    async with HandoffBus.connect(cluster.url, prefix=new_prefix()) as other:
+        assert await other.redis.get(lease) is None  # released as the first closed
+    assert [args for args in asked if str(args[0]).upper() in ("FCALL", "FCALL_RO")] == []

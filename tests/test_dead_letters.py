@@ -339,3 +339,35 @@ async def test_a_dead_letter_leaves_a_later_delivery_held_by_another_worker(bus:
     pending = await bus.redis.xpending_range(keys.inbox, "workers", min="-", max="+", count=10)
     assert [(p["message_id"].decode(), p["consumer"]) for p in pending] == [(reissued, b"other")]
     assert await ghost.entries([handoff_id]) == {handoff_id: reissued}
+
+
+async def test_the_cap_never_trims_the_dead_letter_of_an_accepted_handoff(bus: HandoffBus) -> None:
+    """An ACCEPTED handoff has no deadline and its requester may not cancel it: its dead letter
+    is all that brings it to an end. Later dead letters past the cap trim the others, oldest
+    first, never that one, which can still be failed so its requester hears."""
+    client = bus.client("req")
+    handle = await client.request_handoff(req("req", "echo-1", reason="accepted, then crashy"))
+    ghost = Inbox(bus, "echo-1", "ghost")  # accepted it, then its handling kept stopping workers
+    _, [taken] = await ghost.take(1)
+    await bus.client("echo-1")._transition("accept", handle.handoff_id, {"lease": "ghost"}, settle=False)
+    inbox = bus.keys.target("echo-1").inbox
+    await bus.redis.xclaim(inbox, "workers", "ghost", 0, [taken.entry_id], idle=60_000, retrycount=7)
+    async with anyio.create_task_group() as tg:
+        worker = Worker(bus, Echo(), reclaim_idle=0.2, max_deliveries=5)
+        await tg.start(worker.run)
+        with anyio.fail_after(10):
+            while not await client.get_dead_letters("echo-1"):
+                await worker.wait_reclaim_pass()
+        worker.drain()
+    [accepted] = await client.get_dead_letters("echo-1")
+    flood = Inbox(bus, "echo-1", "flood")
+    for i in range(350):  # poison PENDING work after it, well past a cap of 10
+        await flood.dead_letter(Delivery(handoff_id=f"req/gone-{i}", entry_id="1-1"), "no request", 1, cap=10)
+    letters = await client.get_dead_letters("echo-1", count=1000)
+    assert accepted in letters  # kept: the only trace of live work
+    assert len(letters) <= 10 + 1 + 100  # the others capped (as MAXLEN ~: within one stream node)
+    assert letters[-1].handoff_id == "req/gone-349"  # the newest kept
+    action = await client.fail_dead_letter("echo-1", accepted.entry_id, "given up")
+    assert action == DeadLetterAction(handoff_id=handle.handoff_id, done=True, status=HandoffStatus.FAILED)
+    with anyio.fail_after(10):
+        assert (await handle.outcome()).status is HandoffStatus.FAILED

@@ -341,18 +341,18 @@ async def test_closing_a_bus_mid_sweep_settles_what_the_sweep_expired(real_backe
         prefix = bus.config.prefix
         await bus.client("a").request_handoff(req("a", "b", timeout=0.05))
         entered, closing = anyio.Event(), anyio.Event()
-        settle, stop = bus.settle_expired, bus.sweeper.stop
+        settle, stop = bus.settle_many, bus.sweeper.stop
 
-        async def settle_once_closing(by_target: Any) -> None:
+        async def settle_once_closing(by_target: Any) -> dict[str, BaseException]:
             entered.set()
             await closing.wait()  # the sweep's script has run; the bus starts closing now
-            await settle(by_target)
+            return await settle(by_target)
 
         async def stopping() -> None:
             closing.set()
             await stop()
 
-        bus.settle_expired = settle_once_closing  # type: ignore[method-assign]
+        bus.settle_many = settle_once_closing  # type: ignore[method-assign]
         bus.sweeper.stop = stopping  # type: ignore[method-assign]
         with anyio.fail_after(10):
             await entered.wait()

@@ -320,6 +320,36 @@ async def test_a_requesters_member_that_is_not_text_stops_no_sweep(
     assert len([r for r in caplog.records if "not an agent id" in r.getMessage()]) == 1  # once
 
 
+async def test_an_expired_handoff_whose_settle_was_lost_leaves_its_agents_queue(
+        backend: str, servers: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handoff for an agent no worker serves expires, but settling its queue is lost (the
+    connection drops): a later sweep settles it. Left queued, it would stay there for ever (only
+    a take drops it), counted against ``max_queued``: every new request to the agent refused."""
+    from .conftest import make_bus
+
+    async with make_bus(backend, servers, max_queued=1) as bus:
+        client, queue = bus.client("req"), bus.keys.target("nobody-1").queue
+        scripts_many, lost = bus.scripts_many, anyio.Event()
+
+        async def settle_lost_once(calls: list[Any]) -> list[Any]:
+            if not lost.is_set() and any(name == "settle" for name, _, _ in calls):
+                lost.set()
+                raise RedisConnectionError("Connection closed by server.")
+            return await scripts_many(calls)
+
+        monkeypatch.setattr(bus, "scripts_many", settle_lost_once)
+        handle = await client.request_handoff(req("req", "nobody-1", timeout=0.2))
+        with anyio.fail_after(10):
+            await lost.wait()
+        assert await bus.redis.hget(bus.keys.record(*handle.handoff_id.split("/")).record, "status") == b"EXPIRED"
+        for _ in range(3):  # later sweeps
+            await bus.sweeper.wait_pass()
+        again = await client.request_handoff(req("req", "nobody-1"))  # not QueueFull
+        assert await bus.redis.zrange(queue, 0, -1) == [again.handoff_id.encode()]
+        # and what told the sweep to settle it again is gone: only the new handoff's deadline
+        assert await bus.redis.zrange(bus.keys.deadlines("req"), 0, -1) == [again.request_id.encode()]
+
+
 #: what ``os.fsdecode`` makes of a file name whose bytes are not UTF-8: a str with a lone surrogate
 NOT_UTF8 = "cannot read " + os.fsdecode(b"/data/\xff.txt")
 

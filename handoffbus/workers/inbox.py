@@ -147,12 +147,16 @@ class Inbox:
         """What each taken handoff's record says (None where it is gone), in one round trip."""
         return await self._bus.load_records(handoff_ids)
 
-    async def dead_letter(self, delivery: Delivery, reason: str, deliveries: int, cap: int = 10_000) -> bytes:
-        """Move a taken handoff to the dead-letter stream (acknowledged in the same step)."""
+    async def dead_letter(
+        self, delivery: Delivery, reason: str, deliveries: int, cap: int = 10_000, *, keep: bool = False
+    ) -> bytes:
+        """Move a taken handoff to the dead-letter stream (acknowledged in the same step). Past
+        ``cap`` dead letters the oldest are deleted, never one ``keep`` marks: one whose handoff
+        may be ACCEPTED, which no deadline ends, so that its dead letter is all that does."""
         bus = self._bus
         keys = [self._keys[1], self._keys[2], bus.keys.dead_letters(self.agent)]
         entry: bytes = await bus.script("deadletter", keys, [
             GROUP, delivery.handoff_id.encode(errors="surrogateescape"), delivery.entry_id, reason, deliveries,
-            self.consumer, cap,
+            self.consumer, cap, "1" if keep else "0",
         ])
         return entry

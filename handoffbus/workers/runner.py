@@ -490,7 +490,10 @@ class Worker:
             )
             if poison or row.request is None:
                 after = "keep pending"  # a stop mid-call leaves it to be looked at again, never settled
-                await self._inbox.dead_letter(delivery, poison or "no request", deliveries)
+                # kept past the dead-letter cap when it may be ACCEPTED (no deadline ends it): accepted,
+                # or taken over with a record that cannot be read (its status read as PENDING then)
+                keep = row.status is HandoffStatus.ACCEPTED or (reclaimed and row.request is None)
+                await self._inbox.dead_letter(delivery, poison or "no request", deliveries, keep=keep)
                 self._log.error("%s: dead-lettered %s: %s", self.consumer, hid, poison, extra={"handoff_id": hid})
                 after = "dead"
                 return

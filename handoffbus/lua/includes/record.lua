@@ -4,7 +4,8 @@
 
     KEYS[1] record hash      <p>:{R}:h:<request_id>
     KEYS[2] pending marker   <p>:{R}:p:<request_id>  (string, PXAT = acceptance deadline)
-    KEYS[3] deadline index   <p>:{R}:deadlines       (zset request_id -> deadline ms)
+    KEYS[3] deadline index   <p>:{R}:deadlines       (zset request_id -> deadline ms; "o:" and
+                             "~s:" entries: see sweep-1.lua)
     KEYS[4] response stream  <p>:{R}:responses
     KEYS[5] request envelope <p>:{R}:e:<request_id>  (string: the encoded request)
 
@@ -91,6 +92,11 @@ local function transition(keys, rec, request_id, status, actor, now, extra, rete
   if rec.status == 'PENDING' then
     redis.call('DEL', keys[2])
     redis.call('ZREM', keys[3], request_id, 'o:' .. request_id)
+    if status == 'EXPIRED' and (redis.call('HGET', key, 'to') or '') ~= '' then
+      -- its target's queue is settled by the caller, in another slot: should that be lost (a
+      -- reply, the caller), the sweep settles it again from this entry (see sweep-1.lua)
+      redis.call('ZADD', keys[3], ts, '~s:' .. request_id)
+    end
   end
   local entry = {'id', rec.id, 'status', status, 'actor', actor, 'ts', ts}
   for i = 1, #RESPONSE_FIELDS do
