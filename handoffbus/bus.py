@@ -28,12 +28,12 @@ from .forwarding import Outbox
 from .keys import GROUP, Keys, RecordKeys
 from .models import HandoffRecord
 from .names import split_handoff_id
-from .plainreads import load_rows, refuses_scripts, server_time_ms, status_reply
+from .plainreads import LOAD_ROW, load_rows, refuses_scripts, server_time_ms, status_reply
 from .policies import HandoffPolicy
 from .records import Loaded, loaded_from_row, poison_row, record_from_hash
 from .registered import Registered
 from .routing import Router, set_id
-from .scripts import INLINE_ENVELOPE, Script, Scripts
+from .scripts import INLINE_ENVELOPE, LOAD_MANY, Script, Scripts
 from .signing import Keyring
 from .stats import StatsFlusher, Tally
 from .sweeper import Sweeper
@@ -456,21 +456,43 @@ class HandoffBus:
 
     async def load_records(self, handoff_ids: Sequence[str]) -> list[Loaded | None]:
         """What each record holds (None where it is gone), in one round trip; never raises for
-        bad data. An id that is no handoff's (a queue member written by hand) is a poison row."""
+        bad data. An id that is no handoff's (a queue member written by hand) is a poison row.
+        One ``load`` call per requester (the records' slot) reads all its handoffs, up to
+        ``LOAD_MANY`` a call; an isolated agent's reads of its peers' records go one a call,
+        as the forwarder checks each."""
         out: list[Loaded | None] = []
         named: list[tuple[int, str, RecordKeys]] = []  # (place in out, handoff id, its keys)
+        by_requester: dict[str, list[int]] = {}  # requester -> places in named
         for handoff_id in handoff_ids:
             try:
-                named.append((len(out), handoff_id, self.keys.record(*split_handoff_id(handoff_id))))
-                out.append(None)
+                requester, request_id = split_handoff_id(handoff_id)
+                record_keys = self.keys.record(requester, request_id)
             except InvalidRequest as exc:  # InvalidName
                 out.append(poison_row(exc))
+                continue
+            by_requester.setdefault(requester, []).append(len(named))
+            named.append((len(out), handoff_id, record_keys))
+            out.append(None)
         if not named:
             return out
         keys = [k for _, _, k in named]
+        if self._outbox is None:
+            groups = [places[i:i + LOAD_MANY] for places in by_requester.values()
+                      for i in range(0, len(places), LOAD_MANY)]
+        else:
+            groups = [[i] for i in range(len(keys))]
         limit = self._inline_limit()
-        rows = await self.read_scripts([("load", [k.record, k.envelope], limit) for k in keys],
-                                       lambda: load_rows(self.redis, keys))
+        calls = [("load", [key for i in group for key in (keys[i].record, keys[i].envelope)], limit)
+                 for group in groups]
+
+        async def plain() -> list[Any]:  # each call's reply, as the script gives it
+            rows = await load_rows(self.redis, keys)
+            return [[value for i in group for value in rows[i]] for group in groups]
+
+        rows: list[list[Any]] = [[]] * len(keys)
+        for group, reply in zip(groups, await self.read_scripts(calls, plain), strict=True):
+            for at, i in enumerate(group):  # its rows one after another
+                rows[i] = reply[at * LOAD_ROW:(at + 1) * LOAD_ROW]
         apart = [i for i, row in enumerate(rows) if row[14] == 1]
         for i, envelope in zip(apart, await self._envelopes([keys[i] for i in apart]), strict=True):
             rows[i] = [rows[i][0], envelope, *rows[i][2:]]  # gone (None): a poison row, as inline

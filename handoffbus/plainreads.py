@@ -19,7 +19,8 @@ from redis.exceptions import NoPermissionError
 
 from .keys import RecordKeys, TargetKeys
 
-__all__ = ["LOAD_FIELDS", "load_rows", "observe_replies", "refuses_scripts", "server_time_ms", "status_reply"]
+__all__ = ["LOAD_FIELDS", "LOAD_ROW", "load_rows", "observe_replies", "refuses_scripts", "server_time_ms",
+           "status_reply"]
 
 #: a queue score is priority * 2^42 + sequence (see lua/enqueue-5.lua)
 BAND_SIZE = 1 << 42
@@ -27,6 +28,8 @@ BAND_SIZE = 1 << 42
 #: the record fields the ``load`` script reads, in its order (see lua/load-2.lua)
 LOAD_FIELDS = ("status", "env", "agent", "attempt", "created", "deadline", "id", "from", "to", "routed", "caps",
                "rsig", "lease", "sig")
+#: values per handoff in a ``load`` reply, whose rows come one after another
+LOAD_ROW = 15
 
 
 def refuses_scripts(reply: object) -> bool:

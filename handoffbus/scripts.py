@@ -12,9 +12,10 @@ costs one retried call and never a failed one. On a cluster each call goes to th
 its first key's slot (every key of a script shares that slot), and ``FUNCTION LOAD`` goes to
 every primary. fakeredis runs the same library, so the in-memory mode shares every line of Lua.
 
-Scripts are files named ``<name>-<number of keys>.lua``. A line ``-- @include <name>`` names
-a file of ``lua/includes/``: in the library each include is pasted once, at the top level, and
-each script becomes the body of a function. A line ``-- @flags no-writes`` marks a script that
+Scripts are files named ``<name>-<number of keys>.lua`` (``load`` takes its two once per
+handoff it reads). A line ``-- @include <name>`` names a file of ``lua/includes/``: in the
+library each include is pasted once, at the top level, and each script becomes the body of a
+function. A line ``-- @flags no-writes`` marks a script that
 only reads: a function without it counts as a write, which a replica or a server out of
 memory refuses before it runs. Names carry a digest of the whole library, so the versions of
 a rolling upgrade each call their own code (but an isolated agent calls what its forwarder
@@ -31,8 +32,8 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-__all__ = ["GET", "INLINE_ENVELOPE", "SCRIPT_NAMES", "SET", "STAGED_TTL_MS", "STAGE_OVER", "Command", "Reload",
-           "Script", "Scripts", "script_source"]
+__all__ = ["GET", "INLINE_ENVELOPE", "LOAD_MANY", "SCRIPT_NAMES", "SET", "STAGED_TTL_MS", "STAGE_OVER", "Command",
+           "Reload", "Script", "Scripts", "script_source"]
 
 SCRIPT_NAMES = (
     "request",
@@ -197,6 +198,10 @@ class Command(Script):
 #: The largest envelope the ``load`` and ``status`` reads return: a larger one is left to a GET
 #: in a second round trip, which below about 16 KB costs more than it saves.
 INLINE_ENVELOPE = 16 * 1024
+#: The most handoffs one ``load`` call reads (``HandoffBus.load_records`` reads a batch in one
+#: call per requester): bounds the reply, 15 values a handoff, and the time the server spends
+#: in one call.
+LOAD_MANY = 256
 #: The largest envelope passed to the ``request`` script: a larger one is written by a plain SET
 #: beside it, in the same batch (no round trip more; it saves the server more than the extra
 #: command costs the requester from about 8 KB on).

@@ -102,6 +102,55 @@ async def test_a_large_envelope_gone_before_its_get_reads_as_a_poison_record(
         (HandoffStatus.PENDING, None, True)] * 2
 
 
+async def test_a_batch_is_read_in_one_load_call_per_requester(
+        bus: HandoffBus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's batch costs one ``load`` call per requester (one slot), at most LOAD_MANY
+    handoffs a call, and reads as the handoffs read one by one: gone records, bad ids, a large
+    envelope left to a GET, a record without its envelope."""
+    a, b = bus.client("req-a"), bus.client("req-b")
+    a1 = await a.request_handoff(req("req-a", "echo-1", reason="a1", context_snapshot=CONTEXT))
+    large = await a.request_handoff(req("req-a", "echo-1", reason="large", context_snapshot=LARGE))
+    b1 = await b.request_handoff(req("req-b", "echo-1", reason="b1"))
+    a2 = await a.request_handoff(req("req-a", "echo-1", reason="a2"))
+    torn = await b.request_handoff(req("req-b", "echo-1", reason="torn", context_snapshot=CONTEXT))
+    await bus.redis.delete(bus.keys.record("req-b", torn.request_id).envelope)
+    ids = [a1.handoff_id, "no slash", b1.handoff_id, large.handoff_id, "req-a/gone", torn.handoff_id,
+           a2.handoff_id]
+    one_by_one = [(await bus.load_records([hid]))[0] for hid in ids]
+
+    loads: list[list[str]] = []
+    scripts_many = bus.scripts_many
+
+    def spy(calls: list[tuple[str, list[str], list[Any]]]) -> Any:
+        loads.extend(keys for name, keys, _ in calls if name == "load")
+        return scripts_many(calls)
+
+    monkeypatch.setattr(bus, "scripts_many", spy)
+    assert await bus.load_records(ids) == one_by_one
+    calls = sorted((len(keys), *{key[:key.index("}") + 2] for key in keys}) for keys in loads)  # (keys, slots)
+    assert calls == [(4, bus.keys.slot("req-b")), (8, bus.keys.slot("req-a"))]
+    loads.clear()
+    monkeypatch.setattr("handoffbus.bus.LOAD_MANY", 2)
+    assert await bus.load_records(ids) == one_by_one
+    assert sorted(map(len, loads)) == [4, 4, 4]
+    bus._read_plainly()  # as for a user that may run no script: plain commands, the same rows
+    assert await bus.load_records(ids) == one_by_one
+    loaded = dict(zip(ids, one_by_one, strict=True))
+    assert loaded["req-a/gone"] is None and loaded["no slash"] is not None and loaded["no slash"].error
+    assert loaded[torn.handoff_id] is not None and loaded[torn.handoff_id].error  # its envelope gone: poison
+    read = [loaded[h.handoff_id] for h in (a1, large)]
+    assert [item.request.context_snapshot if item and item.request else None for item in read] == [CONTEXT, LARGE]
+
+    # the script itself: the rows of its pairs of keys one after another, as each pair alone reads
+    pairs = [bus.keys.record("req-a", h.request_id) for h in (a1, large, a2)] + [bus.keys.record("req-a", "gone")]
+    flat = await bus.script("load", [key for k in pairs for key in (k.record, k.envelope)], [INLINE_ENVELOPE])
+    rows = [await bus.script("load", [k.record, k.envelope], [INLINE_ENVELOPE]) for k in pairs]
+    assert len(flat) == 15 * len(pairs) and len({flat[i] for i in range(12, len(flat), 15)}) == 1  # one TIME
+    assert [[*flat[15 * i:15 * i + 12], *flat[15 * i + 13:15 * i + 15]] for i in range(len(pairs))] == [
+        [*row[:12], *row[13:]] for row in rows]
+    assert [row[14] for row in rows] == [0, 1, 0, 0] and rows[3][0] is None
+
+
 async def staged_keys(bus: HandoffBus, requester: str) -> list[bytes]:
     return [key async for key in bus.redis.scan_iter(match=f"{bus.keys.slot(requester)}s:*")]
 

@@ -176,6 +176,13 @@ async def test_the_forwarder_refuses_calls_that_act_as_someone_else(real_backend
         # reading the request, or queueing it for itself
         with pytest.raises(CallRefused, match="not addressed to or sent by 'mallory'"):
             await mallory.script("load", [record.record, record.envelope], [])
+        # nor behind a handoff it may read: the script reads every pair of keys it is given, the
+        # forwarder lets one through a call
+        mine = await setup.buses["req"].client("req").request_handoff(req("req", "mallory", reason="for m"))
+        own = keys.record("req", mine.request_id)
+        assert (await mallory.script("load", [own.record, own.envelope], []))[0] == b"PENDING"
+        with pytest.raises(CallRefused, match="malformed load"):
+            await mallory.script("load", [own.record, own.envelope, record.record, record.envelope], [])
         with pytest.raises(CallRefused, match="which 'mallory' did not send"):
             await mallory.script("enqueue", keys.target("echo-1").as_list(), [handle.handoff_id, 0, 0])
         # a bus isolated as one agent cannot even make a client for another, nor route
@@ -199,7 +206,7 @@ async def test_the_forwarder_refuses_calls_that_act_as_someone_else(real_backend
                 outcome = await handle.outcome()
             worker.drain()
         statuses = await response_statuses(setup.trusted, "req", handle.handoff_id)
-    assert refused == 4
+    assert refused == 5
     assert outcome.status is HandoffStatus.COMPLETED and outcome.actor == "echo-1"
     assert statuses == ["ACCEPTED", "COMPLETED"]  # nothing of mallory's reached the requester
 
