@@ -90,6 +90,7 @@ class Sweeper:
             lapsed: list[Reroute] = []  # routed handoffs whose offer lapsed: route them again
             forsaken: list[tuple[str, str]] = []  # (agent, handoff id) of each lapsed offer
             unrouted: list[tuple[str, str]] = []  # (capability set, handoff id) of expired routed ones
+            stray: list[tuple[str, bytes]] = []  # (requester, "~s:" entry) naming nothing to settle
             # shielded (and bounded): once the scripts made handoffs EXPIRED or let offers lapse,
             # settling those queues and routing the lapsed again must follow, or nothing would
             # (the deadline index no longer lists them)
@@ -121,7 +122,10 @@ class Sweeper:
                         if reply[i + 2]:  # routed: its set's queue may hold it still, for no one
                             unrouted.append((reply[i + 2].decode(), hid))
                     for i in range(0, len(resettled), 2):  # expired before, their settling lost
-                        again[resettled[i + 1].decode()].append(resettled[i].decode())
+                        try:
+                            again[resettled[i + 1].decode()].append(resettled[i].decode())
+                        except UnicodeDecodeError:  # written by hand: no agent's queue to settle
+                            stray.append((agent, b"~s:" + resettled[i].partition(b"/")[2]))
                     for i in range(n_lapsed):
                         values = reply[pairs_end + 9 * i:pairs_end + 9 * i + 9]
                         item = Reroute.read(values[:7], "expiry sweep")
@@ -132,6 +136,9 @@ class Sweeper:
                                 (values[8],) if values[8] else (), f"the record of {item.handoff_id}")]
                 if by_target or again:
                     await self._settle(by_target, again)
+                for requester, member in stray:
+                    with contextlib.suppress(RedisError, RedisClusterException, OSError):
+                        await bus.redis.zrem(bus.keys.deadlines(requester), member)
                 await bus.drop_routes(unrouted)
                 if forsaken:
                     await self._unqueue(forsaken)
@@ -175,7 +182,9 @@ class Sweeper:
         for target, ids in todo.items():
             if target not in failed:
                 for handoff_id in ids:
-                    requester, request_id = split_handoff_id(handoff_id)
+                    # "<requester>/<request id>", as the sweep script checked it against its own
+                    # slot: a request id written by hand need not be a name (never raise here)
+                    requester, _, request_id = handoff_id.partition("/")
                     entries[requester].append(f"~s:{request_id}")
         if not entries:
             return
@@ -260,14 +269,14 @@ class Sweeper:
     async def release_lease(self) -> None:
         bus = self._bus
         key = bus.keys.sweep_lease
-        call = ("FCALL", bus.scripts.lease.function, 1, key, self._token, 0)
+        args = (bus.scripts.lease.function, 1, key, self._token, 0)
         # straight to Redis: the script batcher may already be closed. On a cluster, to the key's
         # node: redis-py would ask its command parser's node for an FCALL's keys (COMMAND GETKEYS),
         # a connection to a node the client may have dropped since, which its close never closes
         if bus.is_cluster:
-            await bus.redis.execute_command(*call, target_nodes=bus.redis.get_node_from_key(key))
+            await bus.redis.execute_command("FCALL", *args, target_nodes=bus.redis.get_node_from_key(key))
         else:
-            await bus.redis.execute_command(*call)
+            await bus.redis.fcall(*args)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self._stopped = anyio.Event()

@@ -350,6 +350,35 @@ async def test_an_expired_handoff_whose_settle_was_lost_leaves_its_agents_queue(
         assert await bus.redis.zrange(bus.keys.deadlines("req"), 0, -1) == [again.request_id.encode()]
 
 
+@pytest.mark.parametrize(("request_id", "to"), [("bad id", "nobody-1"), ("bad-to", b"\xff\xfe")],
+                         ids=["request-id-no-name", "to-not-utf8"])
+async def test_a_settle_entry_of_a_record_written_by_hand_stops_no_follow_up_of_the_sweep(
+        backend: str, servers: dict, request_id: str, to: str | bytes) -> None:
+    """A requester may write anything in its own slot: here an EXPIRED record, under a request id
+    that is no name or with a target that is not text, with its "~s:" entry. The sweep must not
+    raise on it and skip what follows for the other handoffs of its pass (an expired routed
+    handoff left in its capability set's queue for no one), every ``route_guard`` for as long
+    as the record lives; and the entry must not stay for ever."""
+    from .conftest import make_bus
+
+    async with make_bus(backend, servers, sweep_interval=3600) as bus:
+        while bus.sweeper.passes < 1:  # the first pass, at start; the next is an hour away
+            await bus.sweeper.wait_pass()
+        handle = await bus.client("req").request_handoff(routed(["nobody-serves"], timeout=60))
+        keys = bus.keys.record("req", handle.request_id)
+        queue = bus.keys.route(set_id("nobody-serves")).queue
+        assert await bus.redis.zscore(queue, handle.handoff_id) is not None  # waits for a capable agent
+        await bus.redis.delete(keys.marker)  # its deadline passed
+        await bus.redis.zadd(keys.deadlines, {handle.request_id: 0})
+        await bus.redis.hset(f"{bus.keys.slot('req')}h:{request_id}", mapping={
+            "id": f"req/{request_id}", "status": "EXPIRED", "to": to, "hist": "[]"})
+        await bus.redis.zadd(keys.deadlines, {f"~s:{request_id}": 0})
+        assert await bus.sweeper.sweep_once() == 1
+        assert await bus.redis.hget(keys.record, "status") == b"EXPIRED"
+        assert await bus.redis.zscore(queue, handle.handoff_id) is None  # out of its set's queue
+        assert await bus.redis.zrange(keys.deadlines, 0, -1) == []  # settled: its entry cleared
+
+
 #: what ``os.fsdecode`` makes of a file name whose bytes are not UTF-8: a str with a lone surrogate
 NOT_UTF8 = "cannot read " + os.fsdecode(b"/data/\xff.txt")
 
