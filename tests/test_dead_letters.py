@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -22,7 +24,7 @@ from handoffbus.workers import Worker
 from handoffbus.workers.inbox import Delivery, Inbox
 
 from .agents import Echo
-from .helpers import req, serve_until_done
+from .helpers import req, serve_until_done, serving
 
 pytestmark = pytest.mark.anyio
 
@@ -41,19 +43,26 @@ async def test_an_undecodable_record_is_dead_lettered_and_the_worker_carries_on(
     assert (await bus.redis.xpending(inbox, "workers"))["pending"] == 0  # acknowledged, not stuck
 
 
+@asynccontextmanager
+async def dead_lettering(bus: HandoffBus, entry_id: str) -> AsyncIterator[Worker]:
+    """The ghost's inbox entry made to look delivered 8 times, and a worker of echo-1 that
+    dead-letters it (max_deliveries 5): the block runs once the dead letter is there, the
+    worker serving on until it ends."""
+    inbox = bus.keys.target("echo-1").inbox
+    await bus.redis.xclaim(inbox, "workers", "ghost", 0, [entry_id], idle=60_000, retrycount=7)
+    async with serving(bus, Echo(), reclaim_idle=0.2, max_deliveries=5) as [worker]:
+        with anyio.fail_after(10):
+            while not await bus.client("req").get_dead_letters("echo-1"):
+                await worker.wait_reclaim_pass()
+        yield worker
+
+
 async def test_an_entry_delivered_too_often_is_dead_lettered_then_replayed(bus: HandoffBus) -> None:
     client = bus.client("req")
     handle = await client.request_handoff(req("req", "echo-1", reason="crashy"))
     ghost = Inbox(bus, "echo-1", "ghost")  # a worker that took it and kept dying
     _, [taken] = await ghost.take(1)
-    inbox = bus.keys.target("echo-1").inbox
-    await bus.redis.xclaim(inbox, "workers", "ghost", 0, [taken.entry_id], idle=60_000, retrycount=7)
-    async with anyio.create_task_group() as tg:
-        worker = Worker(bus, Echo(), reclaim_idle=0.2, max_deliveries=5)
-        await tg.start(worker.run)
-        with anyio.fail_after(10):
-            while not await client.get_dead_letters("echo-1"):
-                await worker.wait_reclaim_pass()
+    async with dead_lettering(bus, taken.entry_id):
         [dead] = await client.get_dead_letters("echo-1")
         assert dead.handoff_id == handle.handoff_id and dead.deliveries == 8
         record = await client.get_handoff_status(handle.handoff_id)
@@ -62,7 +71,6 @@ async def test_an_entry_delivered_too_often_is_dead_lettered_then_replayed(bus: 
             handoff_id=handle.handoff_id, done=True, status=HandoffStatus.PENDING)
         with anyio.fail_after(10):
             outcome = await handle.outcome()
-        worker.drain()
     assert outcome.status is HandoffStatus.COMPLETED
     assert await client.get_dead_letters("echo-1") == []
     with pytest.raises(HandoffNotFound):
@@ -350,15 +358,8 @@ async def test_the_cap_never_trims_the_dead_letter_of_an_accepted_handoff(bus: H
     ghost = Inbox(bus, "echo-1", "ghost")  # accepted it, then its handling kept stopping workers
     _, [taken] = await ghost.take(1)
     await bus.client("echo-1")._transition("accept", handle.handoff_id, {"lease": "ghost"}, settle=False)
-    inbox = bus.keys.target("echo-1").inbox
-    await bus.redis.xclaim(inbox, "workers", "ghost", 0, [taken.entry_id], idle=60_000, retrycount=7)
-    async with anyio.create_task_group() as tg:
-        worker = Worker(bus, Echo(), reclaim_idle=0.2, max_deliveries=5)
-        await tg.start(worker.run)
-        with anyio.fail_after(10):
-            while not await client.get_dead_letters("echo-1"):
-                await worker.wait_reclaim_pass()
-        worker.drain()
+    async with dead_lettering(bus, taken.entry_id):
+        pass
     [accepted] = await client.get_dead_letters("echo-1")
     flood = Inbox(bus, "echo-1", "flood")
     for i in range(350):  # poison PENDING work after it, well past a cap of 10
