@@ -451,8 +451,9 @@ class HandoffBus:
         their expiry left in the deadline index: see sweep-1.lua)."""
         for target, ids in by_target.items():
             self.tally.add(target, "EXPIRED", len(ids))
-        for failure in (await self.settle_many(by_target)).values():
-            raise failure
+        failed = await self.settle_many(by_target)
+        if failed:
+            raise next(iter(failed.values()))
 
     async def load_records(self, handoff_ids: Sequence[str]) -> list[Loaded | None]:
         """What each record holds (None where it is gone), in one round trip; never raises for

@@ -16,7 +16,7 @@ from .errors import EncodeError, InvalidRequest, NotPermitted
 from .models import HandoffRequest
 from .names import check_agent_id, check_name, check_names
 
-__all__ = ["MAX_TEXT", "MIN_TIMEOUT", "NOT_IDENTITY", "OFFER_MARK", "check_text", "normalize_request",
+__all__ = ["MAX_TEXT", "MIN_TIMEOUT", "NOT_IDENTITY", "OFFER_MARK", "SETTLE_MARK", "check_text", "normalize_request",
            "rejection_fields", "request_fingerprint"]
 
 _canonical = msgspec.msgpack.Encoder(order="sorted")
@@ -60,6 +60,9 @@ def rejection_fields(
 
 #: how the deadline index marks a routed handoff's offer entry ("o:<request id>")
 OFFER_MARK = "o:"
+#: a deadline index member "~s:<request id>": an expired handoff whose target's queue the sweep
+#: is yet to settle (see lua/sweep-1.lua); "~" is in no request id
+SETTLE_MARK = "~s:"
 
 #: metadata that says how a request was sent, not what it asks: the trace it was sent from,
 #: and the scenario's resolution (its greeting and templates may differ between sends)

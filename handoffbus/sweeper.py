@@ -19,6 +19,7 @@ import anyio
 from anyio.abc import TaskStatus
 from redis.exceptions import RedisClusterException, RedisError
 
+from .checks import SETTLE_MARK
 from .errors import HandoffbusError
 from .keys import GROUP, RESTORED
 from .names import split_handoff_id, stored_names
@@ -125,7 +126,7 @@ class Sweeper:
                         try:
                             again[resettled[i + 1].decode()].append(resettled[i].decode())
                         except UnicodeDecodeError:  # written by hand: no agent's queue to settle
-                            stray.append((agent, b"~s:" + resettled[i].partition(b"/")[2]))
+                            stray.append((agent, SETTLE_MARK.encode() + resettled[i].partition(b"/")[2]))
                     for i in range(n_lapsed):
                         values = reply[pairs_end + 9 * i:pairs_end + 9 * i + 9]
                         item = Reroute.read(values[:7], "expiry sweep")
@@ -134,11 +135,8 @@ class Sweeper:
                             # the agent the offer lapsed at (none for a guard), as the record names it
                             forsaken += [(agent, item.handoff_id) for agent in stored_names(
                                 (values[8],) if values[8] else (), f"the record of {item.handoff_id}")]
-                if by_target or again:
-                    await self._settle(by_target, again)
-                for requester, member in stray:
-                    with contextlib.suppress(RedisError, RedisClusterException, OSError):
-                        await bus.redis.zrem(bus.keys.deadlines(requester), member)
+                if by_target or again or stray:
+                    await self._settle(by_target, again, stray)
                 await bus.drop_routes(unrouted)
                 if forsaken:
                     await self._unqueue(forsaken)
@@ -156,9 +154,11 @@ class Sweeper:
             await flush()
         return expired
 
-    async def _settle(self, expired: dict[str, list[str]], again: dict[str, list[str]]) -> None:
+    async def _settle(self, expired: dict[str, list[str]], again: dict[str, list[str]],
+                      stray: list[tuple[str, bytes]]) -> None:
         """Settle expired handoffs in their targets' queues (counting those expired by this pass),
-        then remove their "~s:" entries from their requesters' deadline indexes. A target whose
+        then remove their "~s:" entries from their requesters' deadline indexes, with the
+        ``stray`` (requester, entry) pairs that name nothing to settle. A target whose
         settling failed (written by hand, its node out of reach, a lost reply) keeps its
         handoffs' entries, and a later sweep settles them again: left queued, a handoff would
         stay there until a worker of its agent took it, for ever if none does, counted against
@@ -172,20 +172,22 @@ class Sweeper:
             for target, ids in by_target.items():
                 todo[target] += ids
         try:
-            failed = await bus.settle_many(todo)
+            failed = await bus.settle_many(todo) if todo else {}
         except (RedisError, RedisClusterException, OSError) as exc:
             failed = dict.fromkeys(todo, exc)
         if failed:
             log.warning("expiry sweep: settling expired handoffs of %d agents failed (%s); a later sweep settles "
                         "them again", len(failed), next(iter(failed.values())))
-        entries: dict[str, list[str]] = defaultdict(list)
+        entries: dict[str, list[str | bytes]] = defaultdict(list)
+        for requester, member in stray:
+            entries[requester].append(member)
         for target, ids in todo.items():
             if target not in failed:
                 for handoff_id in ids:
                     # "<requester>/<request id>", as the sweep script checked it against its own
                     # slot: a request id written by hand need not be a name (never raise here)
                     requester, _, request_id = handoff_id.partition("/")
-                    entries[requester].append(f"~s:{request_id}")
+                    entries[requester].append(SETTLE_MARK + request_id)
         if not entries:
             return
         try:
