@@ -59,6 +59,7 @@ from handoffbus.runtime import backend_options, freeze_startup, uses_uvloop
 from handoffbus.workers.inbox import Delivery, Inbox
 
 REQUESTER = "bench-requester"
+_THIS_SCRIPT = str(Path(__file__).resolve())
 TARGET = "bench-target"
 #: Commands whose second argument names a subcommand worth telling apart.
 _SUBCOMMANDS = frozenset({"CLIENT", "CONFIG", "SCRIPT", "XGROUP", "XINFO", "COMMAND", "FUNCTION"})
@@ -195,15 +196,40 @@ class _Flow:
         return k
 
 
+async def ceiling_worker(r: aioredis.Redis, req: str, rep: str, group: str, n: int) -> None:
+    """The ceiling's worker: XREADGROUP up to 100, an XADD reply each and one XACK, pipelined."""
+    handled = 0
+    while handled < n:
+        reply = await r.xreadgroup(group, "w1", {req: ">"}, count=100, block=1000)
+        if not reply:
+            continue
+        entries = reply[0][1]
+        async with r.pipeline(transaction=False) as pipe:
+            for _entry_id, fields in entries:
+                pipe.xadd(rep, {"c": fields[b"c"], "r": b"ok"})
+            pipe.xack(req, group, *[entry_id for entry_id, _ in entries])
+            await pipe.execute()
+        handled += len(entries)
+
+
+async def _ceiling_worker_process(url: str, req: str, rep: str, group: str, n: int) -> None:
+    async with aioredis.Redis.from_url(url) as r:
+        await r.ping()
+        print("ready", flush=True)  # the parent starts its clock after this line
+        await ceiling_worker(r, req, rep, group, n)
+
+
 async def ceiling_round(
-    r: aioredis.Redis, n: int, inflight: int, payload: int, base: str, *, batched: bool = True
+    r: aioredis.Redis, n: int, inflight: int, payload: int, base: str, *, batched: bool = True,
+    worker_url: str | None = None,
 ) -> dict[str, Any]:
     """n request/reply round trips over bare streams with ``inflight`` outstanding.
 
     ``batched``: one sender pipelines every request it has room for (the batched ceiling).
     Otherwise ``inflight`` tasks each XADD one request and await its reply before the next
     (the bare round trip, shaped like a requester awaiting each handoff). The worker pipelines
-    its replies either way."""
+    its replies either way. With ``worker_url`` the worker runs in a process of its own,
+    connected there, as a handoff worker does; otherwise it is a task of this process."""
     req, rep, group = f"{base}:req", f"{base}:rep", "workers"
     await r.delete(req, rep)
     await r.xgroup_create(req, group, id="0", mkstream=True)
@@ -241,20 +267,6 @@ async def ceiling_round(
             await r.xadd(req, {"c": i, "p": body})
             await done.wait()
 
-    async def worker() -> None:
-        handled = 0
-        while handled < n:
-            reply = await r.xreadgroup(group, "w1", {req: ">"}, count=100, block=1000)
-            if not reply:
-                continue
-            entries = reply[0][1]
-            async with r.pipeline(transaction=False) as pipe:
-                for _entry_id, fields in entries:
-                    pipe.xadd(rep, {"c": fields[b"c"], "r": b"ok"})
-                pipe.xack(req, group, *[entry_id for entry_id, _ in entries])
-                await pipe.execute()
-            handled += len(entries)
-
     async def reader() -> None:
         nonlocal received
         cursor: bytes | str = "0-0"
@@ -274,16 +286,28 @@ async def ceiling_round(
             if got and batched:
                 flow.give(got)
 
-    t0 = time.perf_counter()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(worker)
-        tg.start_soon(reader)
-        if batched:
-            tg.start_soon(sender)
-        else:
-            for _ in range(inflight):
-                tg.start_soon(requester)
-    elapsed = time.perf_counter() - t0
+    async with contextlib.AsyncExitStack() as stack:
+        if worker_url is not None:
+            process = await stack.enter_async_context(await anyio.open_process(
+                [sys.executable, _THIS_SCRIPT, "--ceiling-worker", worker_url, req, rep, group,
+                 str(n)], stderr=None))
+            assert process.stdout is not None
+            ready = await process.stdout.receive()
+            if not ready.startswith(b"ready"):
+                raise RuntimeError(f"the ceiling's worker process said {ready!r}")
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            if worker_url is None:
+                tg.start_soon(ceiling_worker, r, req, rep, group, n)
+            tg.start_soon(reader)
+            if batched:
+                tg.start_soon(sender)
+            else:
+                for _ in range(inflight):
+                    tg.start_soon(requester)
+        elapsed = time.perf_counter() - t0
+        if worker_url is not None and await process.wait() != 0:
+            raise RuntimeError(f"the ceiling's worker process exited with {process.returncode}")
     await r.delete(req, rep)
     return {"n": n, "seconds": round(elapsed, 4), "msgs_per_s": round(n / elapsed, 1),
             "round_trip_ms": latency_ms(latencies)}
@@ -659,6 +683,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket-timeout", type=float, default=0,
                         help="socket_timeout of both clients in seconds (default 0: none, as HandoffBus.connect)")
     parser.add_argument("--json", default="benchmarks/results/core.json", help="where to write the results")
+    if argv is None and sys.argv[1:2] == ["--ceiling-worker"]:  # ceiling_round(worker_url=...)'s child
+        url, req, rep, group, n = sys.argv[2:7]
+        anyio.run(_ceiling_worker_process, url, req, rep, group, int(n), backend_options=backend_options())
+        return 0
     args = parser.parse_args(argv)
     if args.n <= 0 or args.inflight <= 0 or args.rounds <= 0 or args.payload < 0:
         parser.error("--n, --inflight and --rounds must be positive, --payload non-negative")

@@ -16,7 +16,8 @@ queue), unless ``--modes`` says otherwise; ``isolated`` runs direct handoffs bet
 agents (workers started with ``--isolated``, a ``handoffbus forwarder`` process carrying
 every call between agents; its CPU is counted with the workers'). Reports handoffs/s, decision and outcome
 latency, CPU per handoff in this process, the workers and the server, and the ratio to the
-bare and batched streams loops of bench_core.py run in this same process.
+bare and batched streams loops of bench_core.py, run first: their client in this process, their
+worker loop in a process of its own.
 """
 
 from __future__ import annotations
@@ -195,10 +196,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             desc = await server_info(stats)
             base = f"benchw{os.getpid()}:raw"
-            await ceiling_round(raw, args.warmup, args.inflight, args.payload, base, batched=False)
-            bare = median_run([await ceiling_round(raw, args.n, args.inflight, args.payload, base, batched=False)
+            # the loops' worker runs in a process of its own, as the handoff workers do
+            await ceiling_round(raw, args.warmup, args.inflight, args.payload, base, batched=False, worker_url=url)
+            bare = median_run([await ceiling_round(raw, args.n, args.inflight, args.payload, base, batched=False,
+                                                   worker_url=url)
                                for _ in range(args.rounds)], "msgs_per_s")
-            batched = median_run([await ceiling_round(raw, args.n, args.inflight, args.payload, base)
+            batched = median_run([await ceiling_round(raw, args.n, args.inflight, args.payload, base, worker_url=url)
                                   for _ in range(args.rounds)], "msgs_per_s")
             results = [await measure_processes(url, stats, count, args, context, mode)
                        for count in args.processes for mode in args.modes]

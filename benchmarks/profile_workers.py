@@ -31,8 +31,8 @@ def summarize(raw: Path, top: int) -> str:
     totals: Counter[str] = Counter()
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        if "_bootstrap" in stack or "ceiling_round" in stack:
-            continue  # idle threads, and the bare loops measured for the ratio
+        if "_bootstrap" in stack or "ceiling_round" in stack or "--ceiling-worker" in stack:
+            continue  # idle threads, and the bare loops measured for the ratio (and their worker process)
         process = "worker" if "handoffbus worker" in stack else "requester"
         frames = [_LINE.sub(")", f) for f in stack.split(";")[1:] if not f.startswith("process ")]
         totals[process] += int(count)

@@ -15,7 +15,9 @@ Against the embedded server (or ``--url``), with real ``handoffbus worker`` proc
   the worker, and Redis memory per pending handoff beyond its payload (``used_memory`` over
   10,000 handoffs left pending, less their stored envelopes);
 - **the ceiling**: the bare batched XADD -> XREADGROUP -> XADD reply -> XACK loop (bench_core.py)
-  with the same window, run in this process; every throughput is also a ratio to it.
+  with the same window, its client in this process and its worker loop in a process of its own,
+  as in the cases; every throughput is also a ratio to it. The same loop with its worker in
+  this process runs too, alternating with it, and is printed beside it.
 
 The last table checks the figures against the targets (issue 8).
 """
@@ -206,8 +208,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             desc = await server_info(stats)
             base = f"suite{os.getpid()}:raw"
             await ceiling_round(raw, args.warmup, 100, 1024, base)
-            batched = median_run([await ceiling_round(raw, args.n, 100, 1024, base)
-                                  for _ in range(args.rounds)], "msgs_per_s")
+            await ceiling_round(raw, args.warmup, 100, 1024, base, worker_url=url)
+            rounds: dict[str, list[dict[str, Any]]] = {"one_process": [], "worker_process": []}
+            for _ in range(args.rounds):  # alternating, so that both see the same host
+                rounds["one_process"].append(await ceiling_round(raw, args.n, 100, 1024, base))
+                rounds["worker_process"].append(await ceiling_round(raw, args.n, 100, 1024, base, worker_url=url))
+            ceilings = {k: median_run(v, "msgs_per_s") for k, v in rounds.items()}
+            batched = ceilings["worker_process"]
             cases = []
             for case in CASES:
                 print(f"  {case.name} ...", file=sys.stderr, flush=True)
@@ -221,6 +228,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await stats.aclose()
     for c in cases:
         c["ratio_to_batched"] = round(c["handoffs_per_s"] / batched["msgs_per_s"], 4)
+        c["ratio_to_one_process_ceiling"] = round(c["handoffs_per_s"] / ceilings["one_process"]["msgs_per_s"], 4)
     by_name = {c["case"]["name"]: c for c in cases}
     direct = by_name["direct"]
     cpu = direct["cpu_us_per_handoff"]
@@ -246,7 +254,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {"url": args.url or "embedded (unix socket)", "n": args.n, "rounds": args.rounds,
                    "concurrency_per_process": args.concurrency, "warmup": args.warmup},
         "environment": environment(desc),
-        "batched_ceiling": batched, "cases": cases, "commands": commands, "memory": memory,
+        "batched_ceiling": batched, "one_process_ceiling": ceilings["one_process"],
+        "cases": cases, "commands": commands, "memory": memory,
         "targets": TARGETS, "measured": measured, "met": met,
     }
 
@@ -254,9 +263,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def render(result: dict[str, Any]) -> str:
     env, cfg = result["environment"], result["config"]
     ceiling = result["batched_ceiling"]["msgs_per_s"]
+    alone = result["one_process_ceiling"]["msgs_per_s"]
+    direct_rate = result["cases"][0]["handoffs_per_s"]
     lines = [f"server   {env['server']} {env['version']}, {cfg['url']}; {env['cpus']} CPUs; n {cfg['n']}, "
              f"rounds {cfg['rounds']}",
-             f"ceiling  batched XADD -> XREADGROUP -> XADD reply -> XACK: {ceiling:,.0f} msgs/s (100 in flight, 1 KB)",
+             f"ceiling  batched XADD -> XREADGROUP -> XADD reply -> XACK: {ceiling:,.0f} msgs/s (100 in flight, 1 KB, "
+             f"the worker loop in a process of its own, as in every case)",
+             f"         with the worker loop in the client's process: {alone:,.0f} msgs/s "
+             f"(direct is {direct_rate / alone:.1%} of it)",
              "",
              f"{'case':<15} {'handoffs/s':>11} {'of ceiling':>10} {'decision p50/p99 ms':>20} "
              f"{'completion p50/p99 ms':>22} {'CPU us: req/workers/server':>27}  exit"]

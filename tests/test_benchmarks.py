@@ -55,6 +55,11 @@ def test_the_suite_runs_every_case(tmp_path: Path) -> None:
     assert result["commands"]["per_lifecycle"] > 2 and "FCALL" in result["commands"]["by_command"]
     assert result["memory"]["envelope_bytes"] > 1000 and result["memory"]["used_memory_per_handoff"] > 0
     assert set(result["met"]) == set(result["measured"])
+    # the ceiling ran both ways: its worker loop in a process of its own (the one the targets use), and
+    # in the suite's process
+    assert result["batched_ceiling"]["n"] == result["one_process_ceiling"]["n"] == 200
+    direct = result["cases"][0]
+    assert direct["ratio_to_batched"] == round(direct["handoffs_per_s"] / result["batched_ceiling"]["msgs_per_s"], 4)
 
 
 def test_the_profile_summary_splits_processes_and_leaves_out_the_ceiling(tmp_path: Path) -> None:
@@ -70,6 +75,8 @@ def test_the_profile_summary_splits_processes_and_leaves_out_the_ceiling(tmp_pat
         f"{bench};run (a.py:1);request_handoff (handoffbus/client.py:10) 30",
         f"{bench};run (a.py:1);request_handoff (handoffbus/client.py:12);pack (handoffbus/wire.py:5) 10",
         f"{bench};run (a.py:1);ceiling_round (bench_core.py:3) 500",
+        f'{bench};process 3:"python bench_core.py --ceiling-worker unix:///s x:req x:rep workers 9";'
+        "run (c.py:1);ceiling_worker (bench_core.py:9) 300",
         f"{bench};Thread._bootstrap (threading.py:1);wait (threading.py:2) 500",
         f"{bench};{worker};run (b.py:1);_handle (handoffbus/workers/runner.py:7) 20",
     ]) + "\n")
