@@ -38,16 +38,22 @@ async def dead_letters(bus: HandoffBus, agent_id: str, count: int) -> list[DeadL
     if type(count) is not int or count < 1:
         raise errors.InvalidRequest(f"count must be an int of at least 1, not {count!r}")
     entries = await bus.redis.xrange(bus.keys.dead_letters(agent), count=count)
-    return [
-        DeadLetter(
-            # a queue member that was not text was dead-lettered as it was: shown escaped
-            entry_id=eid.decode(), handoff_id=f[b"h"].decode(errors="backslashreplace"),
-            reason=f[b"reason"].decode(errors="backslashreplace"), deliveries=int(f[b"deliveries"]),
-            consumer=f[b"consumer"].decode(errors="backslashreplace"),
-            at_ms=int(eid.split(b"-")[0]),
-        )
-        for eid, f in entries
-    ]
+    return [_dead_letter(eid, f) for eid, f in entries]
+
+
+def _text(fields: dict[bytes, bytes], name: bytes) -> str:
+    """A field as text: a queue member that was not text was dead-lettered as it was, and is
+    shown escaped; a field missing from an entry written by hand reads as empty."""
+    return fields.get(name, b"").decode(errors="backslashreplace")
+
+
+def _dead_letter(entry_id: bytes, fields: dict[bytes, bytes]) -> DeadLetter:
+    # an entry written by hand is listed all the same (deliveries 0 where it has no count), so
+    # that an operator sees it, and can drop it by replaying it: it names no handoff
+    deliveries = fields.get(b"deliveries", b"")
+    return DeadLetter(entry_id=entry_id.decode(), handoff_id=_text(fields, b"h"), reason=_text(fields, b"reason"),
+                      deliveries=int(deliveries) if deliveries.isdigit() else 0,
+                      consumer=_text(fields, b"consumer"), at_ms=int(entry_id.split(b"-")[0]))
 
 
 class _Read(NamedTuple):
@@ -67,7 +73,7 @@ async def _read(bus: HandoffBus, agent: str, entry_id: str) -> _Read:
     found = await bus.redis.xrange(bus.keys.dead_letters(agent), entry_id, entry_id)
     if not found:
         raise errors.HandoffNotFound(f"dead letter {entry_id} of {agent}")
-    handoff_id = found[0][1][b"h"].decode(errors="backslashreplace")
+    handoff_id = _text(found[0][1], b"h")
     try:
         split_handoff_id(handoff_id)
     except errors.InvalidName:  # a queue member written by hand: no handoff to act on

@@ -124,6 +124,21 @@ async def test_a_dead_letter_whose_handoff_ended_or_that_names_none_is_dropped_a
     assert await bus.redis.zcard(bus.keys.target("echo-1").queue) == 0  # nothing queued
 
 
+async def test_a_dead_letter_written_by_hand_is_listed_and_dropped_not_an_error(bus: HandoffBus) -> None:
+    client = bus.client("req")
+    stream = bus.keys.dead_letters("echo-1")
+    bare = (await bus.redis.xadd(stream, {"note": "no fields of ours"})).decode()
+    odd = (await bus.redis.xadd(stream, {"h": "req/x", "deliveries": "many", "reason": b"\xff"})).decode()
+    listed = await client.get_dead_letters("echo-1")
+    assert [(d.entry_id, d.handoff_id, d.reason, d.deliveries, d.consumer) for d in listed] == [
+        (bare, "", "", 0, ""), (odd, "req/x", "\\xff", 0, "")]
+    assert listed[0].at_ms == int(bare.split("-")[0])
+    assert await client.replay_dead_letter("echo-1", bare) == DeadLetterAction(handoff_id="", done=False)
+    # it names a handoff id of the right shape, whose record is gone: dropped alone, as any such
+    assert await client.fail_dead_letter("echo-1", odd, "gone") == DeadLetterAction(handoff_id="req/x", done=False)
+    assert await client.get_dead_letters("echo-1") == []
+
+
 async def test_a_dead_lettered_accepted_handoff_can_be_failed_so_its_requester_hears(bus: HandoffBus) -> None:
     """Accepted work has no deadline and its requester may not cancel it: failing its dead
     letter ends it, and the requester's await wakes with FAILED."""
