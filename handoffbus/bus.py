@@ -349,7 +349,9 @@ class HandoffBus:
 
     def spawn(self, func: Callable[[], Coroutine[Any, Any, None]], *, name: str) -> None:
         if self._tg is None:
-            raise HandoffbusError("the bus is not open: use 'async with bus'")
+            raise HandoffbusError("the bus is closed" if self._closed else "the bus is not open: use 'async with bus'")
+        if self._tg.cancel_scope.cancel_called:  # closing: its task group takes no task any more
+            raise HandoffbusError("the bus is closed")
         self._tg.start_soon(func, name=name)
 
     # ------------------------------------------------------------------ shared by clients
@@ -406,9 +408,11 @@ class HandoffBus:
             reader = self._readers[agent] = ResponseReader(self, agent, refresh)
         return reader
 
-    async def _register(self, known: Registered, key: str, agent: str) -> None:
+    async def _register(self, known: Registered, key: str, agent: str) -> bool:
+        """Add ``agent`` to the registry ``key`` unless this process did within a minute;
+        whether it did now."""
         if agent in known or self._outbox is not None:  # the forwarder registers isolated agents
-            return
+            return False
         known.add(agent)  # before awaiting, so a burst of first requests sends one SADD
         try:
             await self.redis.sadd(key, agent)
@@ -417,9 +421,21 @@ class HandoffBus:
             if self._closed and isinstance(exc, RedisError | OSError):  # its connection closed with the bus
                 raise HandoffbusError("the bus closed before Redis answered") from exc
             raise
+        return True
 
-    async def register_requester(self, agent: str) -> None:
-        await self._register(self._known_requesters, self.keys.requesters, agent)
+    async def register_requester(self, agent: str) -> bool:
+        """List ``agent`` for the sweep (see ``_register``). A caller that made it now lists it
+        again after its request is written: the sweep may have unlisted it as idle meanwhile
+        (``Sweeper.unlist_idle``)."""
+        return await self._register(self._known_requesters, self.keys.requesters, agent)
+
+    async def relist_requester(self, agent: str) -> None:
+        """``register_requester``'s second SADD, after the request: never an error for a request
+        that was made (its caller could take it for a failed one and ask again)."""
+        try:
+            await self.redis.sadd(self.keys.requesters, agent)
+        except (RedisError, RedisClusterException, OSError):
+            self._known_requesters.discard(agent)  # the next request lists it again
 
     async def register_target(self, agent: str) -> None:
         await self._register(self._known_targets, self.keys.targets, agent)

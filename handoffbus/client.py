@@ -122,7 +122,7 @@ class HandoffClient:
         fingerprint = request_fingerprint(request)
         bus = self._bus
         keys = bus.keys.record(self.agent_id, request.request_id)
-        await bus.register_requester(self.agent_id)
+        listed = await bus.register_requester(self.agent_id)
         reader = self._reader()
         waiter = reader.watch(handoff_id)  # shared with earlier handles or requests of this id
         try:
@@ -169,6 +169,8 @@ class HandoffClient:
                     # again (enqueue and route are idempotent), not a failed request that a caller
                     # would retry into a second handoff
                     followed = await self._follow_again(keys.record, follow, followed)
+            if listed:  # again, after the record: the sweep may have unlisted it as idle meanwhile
+                await bus.relist_requester(self.agent_id)
             for failed in replies[:len(record_calls)]:
                 if isinstance(failed, BaseException):
                     if resubmittable and lost_connection(failed):  # it may stand: counted when resubmitted

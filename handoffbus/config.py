@@ -9,8 +9,9 @@ import msgspec
 from .codecs import DEFAULT_COMPRESS_THRESHOLD, DEFAULT_PAYLOAD_LIMIT, PayloadCodec
 from .errors import InvalidRequest
 from .keys import DEFAULT_PREFIX
+from .registered import Registered
 
-__all__ = ["MAX_PRIORITY", "MAX_SWEEP_BATCH", "BusConfig", "check_seconds"]
+__all__ = ["MAX_PRIORITY", "MAX_SWEEP_BATCH", "MIN_REQUESTER_IDLE", "BusConfig", "check_seconds"]
 
 #: Priorities run from -MAX_PRIORITY to MAX_PRIORITY (see lua/enqueue-5.lua for why).
 MAX_PRIORITY = 1000
@@ -25,6 +26,10 @@ MAX_SECONDS = 10 * 365 * 24 * 3600.0
 #: the ticks of one millisecond would share a score, and FIFO within a priority would be lost
 #: (1000 x 30 days plus the time now stays below 2^53 / 1024 until about 2160).
 MAX_ROUTE_AGE_STEP = 30 * 24 * 3600.0
+#: The shortest requester_idle: twice the time a process keeps a requester as listed. A requester
+#: unlisted after that long without a request is listed again by the next request of any
+#: process, whichever version it runs (see Sweeper.unlist_idle).
+MIN_REQUESTER_IDLE = 2 * Registered.AGAIN
 
 
 def check_seconds(name: str, value: object, least: float = 0.001) -> None:
@@ -66,6 +71,11 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_queued: int = 100_000
     #: a requester with this many undecided handoffs gets TooManyPending (0 = no cap)
     max_pending: int = 100_000
+    #: a requester with nothing pending and no response written for this long leaves the
+    #: requesters set, which every sweep pass walks (its next request lists it again); more
+    #: than ``MIN_REQUESTER_IDLE``, as a process lists a requester again only a minute after
+    #: it last did (0: requesters stay listed)
+    requester_idle: float = 600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.prefix):
@@ -84,6 +94,11 @@ class BusConfig(msgspec.Struct, frozen=True, kw_only=True):
             least = 1 if name == "sweep_batch" else 0  # the caps: 0 is no cap
             if type(value) is not int or value < least:
                 raise InvalidRequest(f"{name} must be an int of at least {least}, not {value!r}")
+        if self.requester_idle != 0:
+            check_seconds("requester_idle", self.requester_idle)
+            if self.requester_idle < MIN_REQUESTER_IDLE:
+                raise InvalidRequest(f"requester_idle must be 0 (never) or at least {MIN_REQUESTER_IDLE:.0f} "
+                                     f"seconds, not {self.requester_idle!r}")
         if self.sweep_batch > MAX_SWEEP_BATCH:
             raise InvalidRequest(f"sweep_batch must be at most {MAX_SWEEP_BATCH}, not {self.sweep_batch!r}")
         # the codec, payload_limit and compress_threshold: checked by the codec they make

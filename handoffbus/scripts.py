@@ -67,6 +67,7 @@ SCRIPT_NAMES = (
     "count",
     "observe",
     "blob",
+    "idle",
 )
 _INCLUDE = re.compile(r"^-- @include (\w+)$", re.MULTILINE)
 #: a script's function flags, e.g. "-- @flags no-writes" for one that only reads: a function

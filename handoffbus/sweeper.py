@@ -37,6 +37,8 @@ log = logging.getLogger("handoffbus")
 #: and the longest a stop waits to hand the lease over
 FOLLOW_UP_WAIT = 5.0
 RELEASE_WAIT = 1.0
+#: looks for idle requesters per ``requester_idle``: one idle is unlisted at most this much later
+UNLIST_LOOKS = 4
 
 
 class Sweeper:
@@ -153,6 +155,53 @@ class Sweeper:
         if batch:
             await flush()
         return expired
+
+    async def unlist_idle(self) -> int:
+        """Take the requesters idle for ``requester_idle`` out of the requesters set, so that
+        the set, which every pass walks, does not keep every requester ever seen (one per
+        session, say); return how many. Idle: nothing in its deadline index, no response
+        written for that long (``idle`` script).
+
+        A request may come between the check, in the requester's slot, and the removal, in
+        the set's: each removed one is checked again after its removal, and listed back if it
+        is no longer idle. A request that came later lists it again: the client lists a
+        requester after its request too, once a minute (HandoffClient.request_handoff), and
+        the forwarder only after. Any process lists it again with a request that comes after
+        it was idle that long, as its memory of having listed it lapsed meanwhile."""
+        bus = self._bus
+        idle_ms = int(bus.config.requester_idle * 1000)
+        unlisted = 0
+        batch: list[str] = []
+
+        async def idle(agents: list[str]) -> list[str]:
+            replies = await bus.scripts_many([("idle", [bus.keys.deadlines(a), bus.keys.responses(a)], [idle_ms])
+                                              for a in agents])
+            return [a for a, reply in zip(agents, replies, strict=True) if reply == 1]  # a failed one stays
+
+        async def flush() -> None:
+            nonlocal unlisted
+            found = await idle(batch)
+            batch.clear()
+            if not found:
+                return
+            # shielded (and bounded): once removed, the ones a request came to meanwhile must go back
+            with anyio.move_on_after(FOLLOW_UP_WAIT, shield=True):
+                await bus.redis.srem(bus.keys.requesters, *found)
+                still = set(await idle(found))
+                back = [a for a in found if a not in still]
+                if back:
+                    await bus.redis.sadd(bus.keys.requesters, *back)
+                unlisted += len(still)
+
+        async for raw in bus.redis.sscan_iter(bus.keys.requesters, count=500):
+            batch += stored_names((raw,), bus.keys.requesters)
+            if len(batch) >= 200:
+                await flush()
+        if batch:
+            await flush()
+        if unlisted:
+            log.info("expiry sweep: %d idle requesters left the requesters set", unlisted)
+        return unlisted
 
     async def _settle(self, expired: dict[str, list[str]], again: dict[str, list[str]],
                       stray: list[tuple[str, bytes]]) -> None:
@@ -303,6 +352,7 @@ class Sweeper:
             await self._stopped.wait()
 
     async def _loop(self) -> None:
+        unlisted_at = anyio.current_time()  # a new sweeper waits before its first look at idle requesters
         while True:
             try:
                 held = await self.hold_lease()
@@ -311,6 +361,10 @@ class Sweeper:
                     log.info("expiry sweep: this bus's user may run scripts again; sweeping")
                 if held:
                     await self.sweep_once()
+                    idle = self._bus.config.requester_idle
+                    if idle and anyio.current_time() - unlisted_at >= idle / UNLIST_LOOKS:
+                        unlisted_at = anyio.current_time()
+                        await self.unlist_idle()
                     self.passes += 1
                     self._pass_done.set()
                     self._pass_done = anyio.Event()

@@ -52,7 +52,7 @@ def test_the_scripts_are_flagged_for_a_server_that_refuses_writes() -> None:
     (the server then refuses any write they would make). Past maxmemory, what decides,
     finishes, expires or moves handoffs already made runs (``allow-oom``); what makes new work
     or bookkeeping is refused."""
-    assert {name for name in SCRIPT_NAMES if script_flags(name) == ["no-writes"]} == {"load", "blob", "observe"}
+    assert {name for name in SCRIPT_NAMES if script_flags(name) == ["no-writes"]} == {"load", "blob", "observe", "idle"}
     assert {name for name in SCRIPT_NAMES if script_flags(name) == []} == {
         "request", "enqueue", "route", "register", "count"}
     assert all(script_flags(name) in ([], ["no-writes"], ["allow-oom"]) for name in SCRIPT_NAMES)

@@ -1,0 +1,132 @@
+"""The requesters set does not keep every requester ever seen: the sweep unlists idle ones."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from handoffbus import BusConfig, HandoffBus, HandoffStatus, InvalidRequest
+from handoffbus import sweeper as sweeper_module
+from handoffbus.registered import Registered
+
+from .agents import Echo
+from .conftest import Servers, make_bus
+from .helpers import req, serve_until_done
+
+pytestmark = pytest.mark.anyio
+
+
+async def listed(bus: HandoffBus, agent: str) -> bool:
+    return bool(await bus.redis.sismember(bus.keys.requesters, agent))
+
+
+async def age(bus: HandoffBus, agent: str) -> None:
+    """Make ``agent``'s last response look as old as a requester idle for hours: what the idle
+    check reads is the id of the stream's last entry, the time it was written."""
+    stream = bus.keys.responses(agent)
+    await bus.redis.delete(stream)
+    await bus.redis.xadd(stream, {"status": "COMPLETED"}, id="1000-0")
+
+
+async def finished(bus: HandoffBus, agent: str) -> None:
+    """One handoff of ``agent``'s, completed: it is listed, and nothing of it is pending."""
+    handle = await bus.client(agent).request_handoff(req(agent, "echo-1"))
+    [outcome], _ = await serve_until_done(bus, Echo(), [handle])
+    assert outcome.status is HandoffStatus.COMPLETED and await listed(bus, agent)
+
+
+async def test_an_idle_requester_is_unlisted_and_a_busy_or_recent_one_is_not(bus: HandoffBus) -> None:
+    for agent in ("idle", "recent", "waiting"):
+        await finished(bus, agent)
+    await age(bus, "idle")
+    await age(bus, "waiting")
+    await bus.client("waiting").request_handoff(req("waiting", "nobody", timeout=600))  # pending: not idle
+    assert await bus.sweeper.unlist_idle() == 1
+    assert [await listed(bus, a) for a in ("idle", "recent", "waiting")] == [False, True, True]
+    # a requester with no response stream at all (its entries trimmed away, or written by hand) and nothing
+    # pending is idle too
+    await bus.redis.sadd(bus.keys.requesters, "never-answered")
+    assert await bus.sweeper.unlist_idle() == 1 and not await listed(bus, "never-answered")
+
+
+async def test_an_unlisted_requester_is_listed_again_by_its_next_request_and_swept(
+    bus: HandoffBus, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    await finished(bus, "req")
+    await age(bus, "req")
+    assert await bus.sweeper.unlist_idle() == 1 and not await listed(bus, "req")
+    monkeypatch.setattr(Registered, "AGAIN", 0.0)  # what over a minute without a request does to the memory of it
+    handle = await bus.client("req").request_handoff(req("req", "nobody", timeout=0.2))
+    assert await listed(bus, "req")
+    with anyio.fail_after(10):
+        while await bus.redis.zcard(bus.keys.deadlines("req")):  # the sweep expires it: it walks "req" again
+            await bus.sweeper.wait_pass()
+    assert (await handle.outcome()).status is HandoffStatus.EXPIRED
+
+
+async def test_a_request_between_the_idle_check_and_the_removal_lists_its_requester_back(bus: HandoffBus) -> None:
+    await finished(bus, "req")
+    await age(bus, "req")
+    client = bus.client("req")  # it listed "req" a moment ago, so this request lists nothing
+    real_srem = bus.redis.srem
+    made: list[Any] = []
+
+    async def srem_then_request(*args: Any) -> Any:
+        removed = await real_srem(*args)
+        made.append(await client.request_handoff(req("req", "nobody", timeout=600)))
+        return removed
+
+    bus.redis.srem = srem_then_request  # type: ignore[method-assign]
+    try:
+        assert await bus.sweeper.unlist_idle() == 0
+    finally:
+        del bus.redis.srem
+    assert made and await listed(bus, "req")
+
+
+async def test_a_sweep_between_a_requests_listing_and_its_record_leaves_the_requester_listed(
+    bus: HandoffBus, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    await finished(bus, "req")
+    await age(bus, "req")
+    monkeypatch.setattr(Registered, "AGAIN", 0.0)  # the next request lists "req" (a minute went by)
+    real_scripts_many = bus.scripts_many
+    unlisted: list[int] = []
+
+    async def sweep_first(calls: Any) -> Any:  # the request's record call: the sweep runs just before it
+        if not unlisted and calls and calls[0][0] == "request":
+            unlisted.append(await bus.sweeper.unlist_idle())
+        return await real_scripts_many(calls)
+
+    monkeypatch.setattr(bus, "scripts_many", sweep_first)
+    await bus.client("req").request_handoff(req("req", "nobody", timeout=600))
+    # the sweep found "req" idle and unlisted it after the request listed it; the request listed it
+    # again once its record was written
+    assert unlisted == [1] and await listed(bus, "req")
+
+
+async def test_the_sweep_unlists_idle_requesters_on_its_own(
+    backend: str, servers: Servers, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sweeper_module, "UNLIST_LOOKS", 100_000)  # a look every few ms, not every 150 s
+    async with make_bus(backend, servers) as bus:
+        await finished(bus, "req")
+        await age(bus, "req")
+        with anyio.fail_after(10):
+            while await listed(bus, "req"):
+                await bus.sweeper.wait_pass()
+    async with make_bus(backend, servers, requester_idle=0) as bus:  # 0: never
+        await finished(bus, "req")
+        await age(bus, "req")
+        for _ in range(5):
+            await bus.sweeper.wait_pass()
+        assert await listed(bus, "req")
+
+
+@pytest.mark.parametrize("value", [60, 119.9, -1, float("nan"), "600", True])
+def test_requester_idle_is_0_or_at_least_two_minutes(value: object) -> None:
+    with pytest.raises(InvalidRequest, match="requester_idle"):
+        BusConfig(requester_idle=value)  # type: ignore[arg-type]
+    assert BusConfig(requester_idle=0).requester_idle == 0 and BusConfig(requester_idle=120).requester_idle == 120
