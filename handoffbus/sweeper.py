@@ -13,6 +13,7 @@ import contextlib
 import logging
 import uuid
 from collections import defaultdict
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 import anyio
@@ -37,6 +38,8 @@ log = logging.getLogger("handoffbus")
 #: and the longest a stop waits to hand the lease over
 FOLLOW_UP_WAIT = 5.0
 RELEASE_WAIT = 1.0
+#: requesters whose scripts go in one round trip
+REQUESTERS_A_CALL = 200
 #: looks for idle requesters per ``requester_idle``: one idle is unlisted at most this much later
 UNLIST_LOOKS = 4
 
@@ -79,14 +82,13 @@ class Sweeper:
     async def sweep_once(self) -> int:
         """Expire what is due for every requester; return how many handoffs expired.
 
-        One script per requester, sent in batches of 200 in one round trip each.
+        One script per requester, sent in batches of ``REQUESTERS_A_CALL`` in one round trip each.
         """
         bus = self._bus
         expired = 0
         self.backlog = False
-        batch: list[str] = []
 
-        async def flush() -> None:
+        async def flush(batch: list[str]) -> None:
             nonlocal expired
             by_target: dict[str, list[str]] = defaultdict(list)
             again: dict[str, list[str]] = defaultdict(list)  # expired earlier, settled again (not counted)
@@ -146,15 +148,24 @@ class Sweeper:
                     await self._reroute(lapsed)
                 if forsaken:
                     await self._forsake(forsaken)
-            batch.clear()
 
+        async with contextlib.aclosing(self._requesters()) as batches:
+            async for batch in batches:
+                await flush(batch)
+        return expired
+
+    async def _requesters(self) -> AsyncGenerator[list[str], None]:
+        """The requesters set, in batches of ``REQUESTERS_A_CALL``; a member that is no agent id
+        (written by hand) left out."""
+        bus = self._bus
+        batch: list[str] = []
         async for raw in bus.redis.sscan_iter(bus.keys.requesters, count=500):
             batch += stored_names((raw,), bus.keys.requesters)
-            if len(batch) >= 200:
-                await flush()
+            if len(batch) >= REQUESTERS_A_CALL:
+                yield batch
+                batch = []
         if batch:
-            await flush()
-        return expired
+            yield batch
 
     async def unlist_idle(self) -> int:
         """Take the requesters idle for ``requester_idle`` out of the requesters set, so that
@@ -171,17 +182,15 @@ class Sweeper:
         bus = self._bus
         idle_ms = int(bus.config.requester_idle * 1000)
         unlisted = 0
-        batch: list[str] = []
 
         async def idle(agents: list[str]) -> list[str]:
             replies = await bus.scripts_many([("idle", [bus.keys.deadlines(a), bus.keys.responses(a)], [idle_ms])
                                               for a in agents])
             return [a for a, reply in zip(agents, replies, strict=True) if reply == 1]  # a failed one stays
 
-        async def flush() -> None:
+        async def flush(batch: list[str]) -> None:
             nonlocal unlisted
             found = await idle(batch)
-            batch.clear()
             if not found:
                 return
             # shielded (and bounded): once removed, the ones a request came to meanwhile must go back
@@ -193,12 +202,9 @@ class Sweeper:
                     await bus.redis.sadd(bus.keys.requesters, *back)
                 unlisted += len(still)
 
-        async for raw in bus.redis.sscan_iter(bus.keys.requesters, count=500):
-            batch += stored_names((raw,), bus.keys.requesters)
-            if len(batch) >= 200:
-                await flush()
-        if batch:
-            await flush()
+        async with contextlib.aclosing(self._requesters()) as batches:
+            async for batch in batches:
+                await flush(batch)
         if unlisted:
             log.info("expiry sweep: %d idle requesters left the requesters set", unlisted)
         return unlisted
