@@ -57,7 +57,7 @@ def test_the_suite_runs_every_case(tmp_path: Path) -> None:
     assert set(result["met"]) == set(result["measured"])
     # the ceiling ran both ways: its worker loop in a process of its own (the one the targets use), and
     # in the suite's process
-    assert result["batched_ceiling"]["n"] == result["one_process_ceiling"]["n"] == 200
+    assert result["batched_ceiling"]["n"] == result["one_process_ceiling"]["n"] == 25_000  # at least, however small n
     direct = result["cases"][0]
     assert direct["ratio_to_batched"] == round(direct["handoffs_per_s"] / result["batched_ceiling"]["msgs_per_s"], 4)
 
