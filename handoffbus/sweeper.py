@@ -193,13 +193,18 @@ class Sweeper:
             found = await idle(batch)
             if not found:
                 return
-            # shielded (and bounded): once removed, the ones a request came to meanwhile must go back
+            # shielded (and bounded): once removed, the ones a request came to meanwhile must go back,
+            # and all of them if the second look fails or runs out of time
             with anyio.move_on_after(FOLLOW_UP_WAIT, shield=True):
                 await bus.redis.srem(bus.keys.requesters, *found)
-                still = set(await idle(found))
-                back = [a for a in found if a not in still]
-                if back:
-                    await bus.redis.sadd(bus.keys.requesters, *back)
+                still: set[str] = set()
+                try:
+                    still = set(await idle(found))
+                finally:
+                    back = [a for a in found if a not in still]
+                    if back:
+                        with anyio.move_on_after(FOLLOW_UP_WAIT, shield=True):
+                            await bus.redis.sadd(bus.keys.requesters, *back)
                 unlisted += len(still)
 
         async with contextlib.aclosing(self._requesters()) as batches:

@@ -86,6 +86,27 @@ async def test_a_request_between_the_idle_check_and_the_removal_lists_its_reques
     assert made and await listed(bus, "req")
 
 
+async def test_requesters_removed_go_back_when_the_second_look_fails(
+    bus: HandoffBus, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for agent in ("a", "b"):
+        await finished(bus, agent)
+        await age(bus, agent)
+    real_scripts_many = bus.scripts_many
+    looks: list[int] = []
+
+    async def second_look_fails(calls: Any) -> Any:
+        looks.append(len(calls))
+        if len(looks) == 2:  # the look after the removal: its connection lost, say
+            raise ConnectionError("lost")
+        return await real_scripts_many(calls)
+
+    monkeypatch.setattr(bus, "scripts_many", second_look_fails)
+    with pytest.raises(ConnectionError):
+        await bus.sweeper.unlist_idle()
+    assert looks == [2, 2] and await listed(bus, "a") and await listed(bus, "b")  # not known idle: back
+
+
 async def test_a_sweep_between_a_requests_listing_and_its_record_leaves_the_requester_listed(
     bus: HandoffBus, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
