@@ -176,6 +176,12 @@ class Keys:
         return f"{self.prefix}:requesters"
 
     @property
+    def unlisted(self) -> str:
+        """Zset of requesters the sweep took out of ``requesters`` as idle -> when (server ms):
+        each is checked once more a minute later, and listed back if it has work by then."""
+        return f"{self.prefix}:unlisted"
+
+    @property
     def targets(self) -> str:
         """Set of agent ids that have a queue."""
         return f"{self.prefix}:targets"

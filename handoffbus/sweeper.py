@@ -25,6 +25,7 @@ from .errors import HandoffbusError
 from .keys import GROUP, RESTORED
 from .names import split_handoff_id, stored_names
 from .plainreads import refuses_scripts
+from .registered import Registered
 from .routing import Reroute
 
 if TYPE_CHECKING:
@@ -42,6 +43,10 @@ RELEASE_WAIT = 1.0
 REQUESTERS_A_CALL = 200
 #: looks for idle requesters per ``requester_idle``: one idle is unlisted at most this much later
 UNLIST_LOOKS = 4
+#: seconds after unlisting a requester that the sweep looks at it once more (past the minute for
+#: which a process remembers having listed it: Registered.AGAIN), and how often it looks for those due
+RECHECK_AFTER = Registered.AGAIN + 10.0
+RECHECK_EVERY = 5.0
 
 
 class Sweeper:
@@ -183,23 +188,21 @@ class Sweeper:
         idle_ms = int(bus.config.requester_idle * 1000)
         unlisted = 0
 
-        async def idle(agents: list[str]) -> list[str]:
-            replies = await bus.scripts_many([("idle", [bus.keys.deadlines(a), bus.keys.responses(a)], [idle_ms])
-                                              for a in agents])
-            return [a for a, reply in zip(agents, replies, strict=True) if reply == 1]  # a failed one stays
-
         async def flush(batch: list[str]) -> None:
             nonlocal unlisted
-            found = await idle(batch)
+            found = await self._idle(batch, idle_ms)
             if not found:
                 return
+            # noted first: whatever happens next, each is looked at once more (recheck_unlisted)
+            now = await bus.server_time_ms()
+            await bus.redis.zadd(bus.keys.unlisted, dict.fromkeys(found, now))
             # shielded (and bounded): once removed, the ones a request came to meanwhile must go back,
             # and all of them if the second look fails or runs out of time
             with anyio.move_on_after(FOLLOW_UP_WAIT, shield=True):
                 await bus.redis.srem(bus.keys.requesters, *found)
                 still: set[str] = set()
                 try:
-                    still = set(await idle(found))
+                    still = set(await self._idle(found, idle_ms))
                 finally:
                     back = [a for a in found if a not in still]
                     if back:
@@ -213,6 +216,41 @@ class Sweeper:
         if unlisted:
             log.info("expiry sweep: %d idle requesters left the requesters set", unlisted)
         return unlisted
+
+    async def recheck_unlisted(self) -> int:
+        """List back the requesters unlisted at least ``RECHECK_AFTER`` seconds ago that have
+        work by now, and stop watching those; return how many went back.
+
+        A process remembers for up to a minute that it listed a requester, and lists it again
+        only after that. A request that leaves nothing behind (refused for a full queue, a
+        resubmission of a decided handoff) can thus be followed, within that minute, by one
+        that lists nothing, after the sweep found the requester idle and unlisted it. By
+        ``RECHECK_AFTER`` every such memory has lapsed: a handoff made before then is still in
+        the requester's deadline index (undecided, or expired and not yet settled), or it has
+        ended and left nothing to sweep; one made after lists the requester itself."""
+        bus = self._bus
+        due_ms = await bus.server_time_ms() - int(RECHECK_AFTER * 1000)
+        back = 0
+        while True:
+            raw = await bus.redis.zrangebyscore(bus.keys.unlisted, "-inf", due_ms, start=0, num=REQUESTERS_A_CALL)
+            if not raw:
+                return back
+            names = stored_names(raw, bus.keys.unlisted)
+            # a requester with anything in its deadline index goes back (one whose look failed too)
+            still = set(await self._idle(names, 0))
+            working = [a for a in names if a not in still]
+            if working:
+                await bus.redis.sadd(bus.keys.requesters, *working)
+                back += len(working)
+            await bus.redis.zrem(bus.keys.unlisted, *raw)
+
+    async def _idle(self, agents: list[str], idle_ms: int) -> list[str]:
+        """Those of ``agents`` with nothing in their deadline index and no response for
+        ``idle_ms`` (``idle`` script); one whose look failed is not."""
+        bus = self._bus
+        replies = await bus.scripts_many([("idle", [bus.keys.deadlines(a), bus.keys.responses(a)], [idle_ms])
+                                          for a in agents])
+        return [a for a, reply in zip(agents, replies, strict=True) if reply == 1]
 
     async def _settle(self, expired: dict[str, list[str]], again: dict[str, list[str]],
                       stray: list[tuple[str, bytes]]) -> None:
@@ -364,6 +402,7 @@ class Sweeper:
 
     async def _loop(self) -> None:
         unlisted_at = anyio.current_time()  # a new sweeper waits before its first look at idle requesters
+        rechecked_at = -RECHECK_EVERY  # and looks for unlisted ones due again at once (another's, say)
         while True:
             try:
                 held = await self.hold_lease()
@@ -376,6 +415,9 @@ class Sweeper:
                     if idle and anyio.current_time() - unlisted_at >= idle / UNLIST_LOOKS:
                         unlisted_at = anyio.current_time()
                         await self.unlist_idle()
+                    if anyio.current_time() - rechecked_at >= RECHECK_EVERY:
+                        rechecked_at = anyio.current_time()
+                        await self.recheck_unlisted()
                     self.passes += 1
                     self._pass_done.set()
                     self._pass_done = anyio.Event()

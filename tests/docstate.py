@@ -129,6 +129,12 @@ async def build_state(bus: HandoffBus, url: str) -> None:
     # a 70 kB report in a context goes out of band (policies/blobs.py), into a blob key of R's
     await offload(bus, REQUESTER, HandoffContext(tool_state={"report": "A" * 70_000}), threshold=65_536)
 
+    # support-agent-1: an earlier requester, idle since (its last response, written by hand here,
+    # is from 2023): the sweep's look for idle requesters took it out of hb:requesters
+    await bus.redis.xadd(bus.keys.responses("support-agent-1"), {"status": "COMPLETED"}, id="1700000000000-0")
+    await bus.redis.sadd(bus.keys.requesters, "support-agent-1")
+    assert await bus.sweeper.unlist_idle() == 1
+
     record = await requester.get_handoff_status(f"{REQUESTER}/req-42")
     assert record is not None and record.status is HandoffStatus.PENDING
     queued = [p.handoff_id for p in await specialist.get_pending_handoffs()]

@@ -128,6 +128,26 @@ async def test_a_sweep_between_a_requests_listing_and_its_record_leaves_the_requ
     assert unlisted == [1] and await listed(bus, "req")
 
 
+async def test_a_requester_given_work_by_a_process_that_lists_nothing_is_listed_back_a_minute_later(
+    bus: HandoffBus, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    await finished(bus, "req")
+    await age(bus, "req")
+    await finished(bus, "quiet")
+    await age(bus, "quiet")
+    assert await bus.sweeper.unlist_idle() == 2
+    # this process listed "req" a moment ago, so it lists nothing now (as a process of any version
+    # does within the minute); the sweep had found "req" idle, as a request that leaves nothing
+    # behind (one refused for a full queue, say) would leave it
+    await bus.client("req").request_handoff(req("req", "nobody", timeout=600))
+    assert not await listed(bus, "req")
+    assert await bus.sweeper.recheck_unlisted() == 0  # not due yet: a minute after the removal
+    monkeypatch.setattr(sweeper_module, "RECHECK_AFTER", 0.0)
+    assert await bus.sweeper.recheck_unlisted() == 1
+    assert await listed(bus, "req") and not await listed(bus, "quiet")  # still idle: stays out
+    assert await bus.redis.zcard(bus.keys.unlisted) == 0  # each looked at once more, then forgotten
+
+
 async def test_the_sweep_unlists_idle_requesters_on_its_own(
     backend: str, servers: Servers, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -137,6 +157,14 @@ async def test_the_sweep_unlists_idle_requesters_on_its_own(
         await age(bus, "req")
         with anyio.fail_after(10):
             while await listed(bus, "req"):
+                await bus.sweeper.wait_pass()
+        # given work by a process that lists nothing (see above), it is listed back by the sweep's look
+        # a minute later
+        await bus.client("req").request_handoff(req("req", "nobody", timeout=600))
+        monkeypatch.setattr(sweeper_module, "RECHECK_AFTER", 0.0)
+        monkeypatch.setattr(sweeper_module, "RECHECK_EVERY", 0.0)
+        with anyio.fail_after(10):
+            while not await listed(bus, "req"):
                 await bus.sweeper.wait_pass()
     async with make_bus(backend, servers, requester_idle=0) as bus:  # 0: never
         await finished(bus, "req")

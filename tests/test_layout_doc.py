@@ -43,8 +43,8 @@ pytestmark = pytest.mark.anyio
 DOC = Path(__file__).resolve().parent.parent / "docs" / "redis-layout.md"
 #: Every key suffix handoffbus/keys.py builds (the doc must explain each).
 SUFFIXES = ("h:", "e:", "p:", "deadlines", "responses", "queue", "inbox", "inflight", "seq", "bell", "dead",
-            "workers", "w:", "agents", "requesters", "targets", "sweep-lease", "route", "rmeta", "rclaims", "rseq",
-            "routes", "grants", "outbox", "replies", "stats", "counted:", "blob:", "s:")
+            "workers", "w:", "agents", "requesters", "unlisted", "targets", "sweep-lease", "route", "rmeta", "rclaims",
+            "rseq", "routes", "grants", "outbox", "replies", "stats", "counted:", "blob:", "s:")
 
 
 # ---------------------------------------------------------------------- reading the doc
