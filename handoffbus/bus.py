@@ -437,6 +437,10 @@ class HandoffBus:
         except (RedisError, RedisClusterException, OSError):
             self._known_requesters.discard(agent)  # the next request lists it again
 
+    def forget_requester(self, agent: str) -> None:
+        """A request of ``agent`` failed: its next request lists it again (see ``register_requester``)."""
+        self._known_requesters.discard(agent)
+
     async def register_target(self, agent: str) -> None:
         await self._register(self._known_targets, self.keys.targets, agent)
 

@@ -226,6 +226,9 @@ class HandoffClient:
             return HandoffHandle(self, waiter)
         except BaseException:
             reader.release(waiter)  # no handle came of this call (it failed, or was cancelled)
+            # it may have left nothing behind (refused, or withdrawn from a full queue): no trace
+            # keeps the sweep from unlisting this requester, so its next request lists it again
+            bus.forget_requester(self.agent_id)
             raise
 
     async def _follow_again(self, record: str, follow: list[Call], followed: list[Any]) -> list[Any]:

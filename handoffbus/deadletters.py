@@ -52,7 +52,8 @@ def _dead_letter(entry_id: bytes, fields: dict[bytes, bytes]) -> DeadLetter:
     # that an operator sees it, and can drop it by replaying it: it names no handoff
     deliveries = fields.get(b"deliveries", b"")
     return DeadLetter(entry_id=entry_id.decode(), handoff_id=_text(fields, b"h"), reason=_text(fields, b"reason"),
-                      deliveries=int(deliveries) if deliveries.isdigit() else 0,
+                      # (a count of more digits than any count has is no count: int() refuses 4,300)
+                      deliveries=int(deliveries) if deliveries.isdigit() and len(deliveries) <= 20 else 0,
                       consumer=_text(fields, b"consumer"), at_ms=int(entry_id.split(b"-")[0]))
 
 

@@ -37,7 +37,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from .backoff import LOST_CONNECTION, Backoff, lost_connection
 from .config import MAX_PRIORITY
-from .errors import CallRefused, ForwarderUnavailable, HandoffbusError, InvalidName
+from .errors import QUEUE_FULL, CallRefused, ForwarderUnavailable, HandoffbusError, InvalidName
 from .models import HandoffRequest, WorkerInfo
 from .names import check_name, check_names, split_handoff_id
 from .records import text
@@ -357,7 +357,9 @@ class Forwarder:
         """What a shared bus's caller does around the call, and an isolated one cannot."""
         bus, (name, keys, args) = self._bus, call
         if name == "enqueue":
-            await bus.register_requester(sender)
+            if result != QUEUE_FULL:  # refused: its record is taken back, nothing of it to sweep (and
+                # remembered as listed, the requester would not be listed by its next request)
+                await bus.register_requester(sender)
             await bus.register_target(self._target_of(keys))
         elif name == "route":
             await bus.register_requester(sender)

@@ -199,9 +199,9 @@ class Sweeper:
             # shielded (and bounded): once removed, the ones a request came to meanwhile must go back,
             # and all of them if the second look fails or runs out of time
             with anyio.move_on_after(FOLLOW_UP_WAIT, shield=True):
-                await bus.redis.srem(bus.keys.requesters, *found)
                 still: set[str] = set()
-                try:
+                try:  # the removal too: made, its reply lost or late, it is undone as a failed look is
+                    await bus.redis.srem(bus.keys.requesters, *found)
                     still = set(await self._idle(found, idle_ms))
                 finally:
                     back = [a for a in found if a not in still]

@@ -139,6 +139,14 @@ async def test_a_dead_letter_written_by_hand_is_listed_and_dropped_not_an_error(
     assert await client.get_dead_letters("echo-1") == []
 
 
+async def test_a_dead_letter_written_by_hand_with_an_overlong_count_is_listed_not_an_error(bus: HandoffBus) -> None:
+    client = bus.client("req")
+    stream = bus.keys.dead_letters("echo-1")
+    entry = (await bus.redis.xadd(stream, {"h": "req/x", "deliveries": "9" * 5000})).decode()
+    assert [(d.entry_id, d.handoff_id, d.deliveries) for d in await client.get_dead_letters("echo-1")] == [
+        (entry, "req/x", 0)]
+
+
 async def test_a_dead_lettered_accepted_handoff_can_be_failed_so_its_requester_hears(bus: HandoffBus) -> None:
     """Accepted work has no deadline and its requester may not cancel it: failing its dead
     letter ends it, and the requester's await wakes with FAILED."""

@@ -7,7 +7,7 @@ from typing import Any
 import anyio
 import pytest
 
-from handoffbus import BusConfig, HandoffBus, HandoffStatus, InvalidRequest
+from handoffbus import BusConfig, HandoffBus, HandoffStatus, InvalidRequest, QueueFull
 from handoffbus import sweeper as sweeper_module
 from handoffbus.registered import Registered
 
@@ -146,6 +146,92 @@ async def test_a_requester_given_work_by_a_process_that_lists_nothing_is_listed_
     assert await bus.sweeper.recheck_unlisted() == 1
     assert await listed(bus, "req") and not await listed(bus, "quiet")  # still idle: stays out
     assert await bus.redis.zcard(bus.keys.unlisted) == 0  # each looked at once more, then forgotten
+
+
+async def test_a_request_a_full_queue_refused_does_not_spare_the_next_one_its_listing(
+    backend: str, servers: Servers,
+) -> None:
+    """A request refused by its target's full queue leaves nothing behind (its record taken back,
+    no response written): the sweep may unlist its requester at once. The requester's next
+    request, however soon, lists it again."""
+    async with make_bus(backend, servers, max_queued=1) as bus:
+        await bus.client("other").request_handoff(req("other", "bob", timeout=600))  # bob's queue is full
+        client = bus.client("req")
+        with pytest.raises(QueueFull):
+            await client.request_handoff(req("req", "bob"))
+        assert await bus.sweeper.unlist_idle() == 1 and not await listed(bus, "req")  # nothing of it anywhere
+        handle = await client.request_handoff(req("req", "carol", timeout=0.2))  # a retry elsewhere, seconds later
+        assert await listed(bus, "req")
+        with anyio.fail_after(10):
+            while await bus.redis.zcard(bus.keys.deadlines("req")):  # the sweep expires it: it walks "req"
+                await bus.sweeper.wait_pass()
+        assert (await handle.outcome()).status is HandoffStatus.EXPIRED
+
+
+@pytest.mark.parametrize("failure", ["lost", "slow"])
+async def test_requesters_removed_go_back_when_the_removal_itself_fails_or_runs_out_of_time(
+    bus: HandoffBus, monkeypatch: pytest.MonkeyPatch, failure: str,
+) -> None:
+    """The SREM was made but its caller never heard (its reply lost with the connection, or later
+    than the follow-up bound): a request that came between the idle check and the removal is
+    caught only by the second look, which is not skipped."""
+    await finished(bus, "req")
+    await age(bus, "req")
+    client = bus.client("req")  # it listed "req" a moment ago, so this request lists nothing
+    monkeypatch.setattr(sweeper_module, "FOLLOW_UP_WAIT", 0.5)
+    real_srem = bus.redis.srem
+    made: list[Any] = []
+
+    async def srem_then_request_then_fail(*args: Any) -> Any:
+        await real_srem(*args)
+        made.append(await client.request_handoff(req("req", "nobody", timeout=600)))
+        if failure == "lost":
+            raise ConnectionError("lost")
+        await anyio.sleep_forever()  # no reply before the bound
+
+    bus.redis.srem = srem_then_request_then_fail  # type: ignore[method-assign]
+    try:
+        if failure == "lost":
+            with pytest.raises(ConnectionError):
+                await bus.sweeper.unlist_idle()
+        else:
+            assert await bus.sweeper.unlist_idle() == 0
+    finally:
+        del bus.redis.srem
+    assert made and await listed(bus, "req")
+
+
+async def test_a_request_of_an_older_version_between_its_listing_and_its_record_is_listed_back(
+    bus: HandoffBus, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process of an older version lists a requester before its record only, and then not again
+    for a minute. A sweep whose removal and second look both fall between that listing and the
+    record leaves the requester out only until its look a minute later."""
+    await finished(bus, "req")
+    await age(bus, "req")
+    monkeypatch.setattr(Registered, "AGAIN", 0.0)  # the next request lists "req" (a minute went by)
+
+    async def older_version(agent: str) -> None:  # no SADD after the record
+        return None
+
+    monkeypatch.setattr(bus, "relist_requester", older_version)
+    real_scripts_many = bus.scripts_many
+    unlisted: list[int] = []
+
+    async def sweep_first(calls: Any) -> Any:  # the request's record call: the sweep runs just before it
+        if not unlisted and calls and calls[0][0] == "request":
+            unlisted.append(await bus.sweeper.unlist_idle())
+        return await real_scripts_many(calls)
+
+    monkeypatch.setattr(bus, "scripts_many", sweep_first)
+    handle = await bus.client("req").request_handoff(req("req", "nobody", timeout=0.2))
+    assert unlisted == [1] and not await listed(bus, "req")
+    monkeypatch.setattr(sweeper_module, "RECHECK_AFTER", 0.0)  # the look a minute later
+    assert await bus.sweeper.recheck_unlisted() == 1 and await listed(bus, "req")
+    with anyio.fail_after(10):
+        while await bus.redis.zcard(bus.keys.deadlines("req")):  # the sweep expires it: it walks "req" again
+            await bus.sweeper.wait_pass()
+    assert (await handle.outcome()).status is HandoffStatus.EXPIRED
 
 
 async def test_the_sweep_unlists_idle_requesters_on_its_own(

@@ -32,6 +32,7 @@ from handoffbus import (
     InvalidRequest,
     Keyring,
     NotPermitted,
+    QueueFull,
     SigningKey,
     TooManyPending,
     Worker,
@@ -604,6 +605,25 @@ async def test_an_isolated_requester_at_its_cap_is_told_so(real_backend: str, se
         with anyio.fail_after(10), pytest.raises(TooManyPending):
             await client.request_handoff(HandoffRequest(
                 from_agent="req", to_agent=to, capabilities_required=[] if to else ["echo"], timeout=60))
+
+
+async def test_an_isolated_request_a_full_queue_refused_does_not_spare_the_next_one_its_listing(
+    real_backend: str, servers: dict, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request refused by a full queue leaves nothing behind (its record taken back): the sweep
+    may unlist its requester at once, and the forwarder must list it again at its next request."""
+    async with isolated(real_backend, servers) as setup:
+        trusted = setup.trusted
+        monkeypatch.setattr(trusted, "config", msgspec.structs.replace(trusted.config, max_queued=1))
+        await setup.buses["mallory"].client("mallory").request_handoff(req("mallory", "echo-1", timeout=600))
+        client = setup.buses["req"].client("req")
+        with anyio.fail_after(10), pytest.raises(QueueFull):  # echo-1's queue is full
+            await client.request_handoff(req("req", "echo-1"))
+        await trusted.sweeper.unlist_idle()  # "req" is idle: nothing of it anywhere
+        assert not await trusted.redis.sismember(trusted.keys.requesters, "req")
+        with anyio.fail_after(10):
+            await client.request_handoff(req("req", "nobody-1", timeout=600))  # a retry elsewhere, seconds later
+        assert await trusted.redis.sismember(trusted.keys.requesters, "req")
 
 
 async def test_an_isolated_worker_reads_the_out_of_band_content_of_its_handoffs_only(
