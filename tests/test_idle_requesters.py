@@ -66,24 +66,74 @@ async def test_an_unlisted_requester_is_listed_again_by_its_next_request_and_swe
     assert (await handle.outcome()).status is HandoffStatus.EXPIRED
 
 
-async def test_a_request_between_the_idle_check_and_the_removal_lists_its_requester_back(bus: HandoffBus) -> None:
+@pytest.mark.parametrize("failure", ["none", "lost", "slow"])
+async def test_a_request_between_the_idle_check_and_the_removal_lists_its_requester_back(
+    bus: HandoffBus, monkeypatch: pytest.MonkeyPatch, failure: str,
+) -> None:
+    """Caught by the second look, which follows the removal even when the SREM's own reply is
+    lost with the connection, or later than the follow-up bound."""
     await finished(bus, "req")
     await age(bus, "req")
     client = bus.client("req")  # it listed "req" a moment ago, so this request lists nothing
+    monkeypatch.setattr(sweeper_module, "FOLLOW_UP_WAIT", 0.5)
     real_srem = bus.redis.srem
     made: list[Any] = []
 
     async def srem_then_request(*args: Any) -> Any:
         removed = await real_srem(*args)
         made.append(await client.request_handoff(req("req", "nobody", timeout=600)))
+        if failure == "lost":
+            raise ConnectionError("lost")
+        if failure == "slow":
+            await anyio.sleep_forever()  # no reply before the bound
         return removed
 
     bus.redis.srem = srem_then_request  # type: ignore[method-assign]
     try:
-        assert await bus.sweeper.unlist_idle() == 0
+        if failure == "lost":
+            with pytest.raises(ConnectionError):
+                await bus.sweeper.unlist_idle()
+        else:
+            assert await bus.sweeper.unlist_idle() == 0
     finally:
         del bus.redis.srem
     assert made and await listed(bus, "req")
+
+
+@pytest.mark.parametrize("version", ["this", "older"])
+async def test_a_sweep_between_a_requests_listing_and_its_record_leaves_the_requester_listed(
+    bus: HandoffBus, monkeypatch: pytest.MonkeyPatch, version: str,
+) -> None:
+    """The sweep finds the requester idle and unlists it after a request listed it, before the
+    record: this version lists it again once the record is written; a process of an older version
+    does not (nor again for a minute), and the sweep's look a minute later lists it back."""
+    await finished(bus, "req")
+    await age(bus, "req")
+    monkeypatch.setattr(Registered, "AGAIN", 0.0)  # the next request lists "req" (a minute went by)
+    if version == "older":
+
+        async def no_second_listing(agent: str) -> None:
+            return None
+
+        monkeypatch.setattr(bus, "relist_requester", no_second_listing)
+    real_scripts_many = bus.scripts_many
+    unlisted: list[int] = []
+
+    async def sweep_first(calls: Any) -> Any:  # the request's record call: the sweep runs just before it
+        if not unlisted and calls and calls[0][0] == "request":
+            unlisted.append(await bus.sweeper.unlist_idle())
+        return await real_scripts_many(calls)
+
+    monkeypatch.setattr(bus, "scripts_many", sweep_first)
+    handle = await bus.client("req").request_handoff(req("req", "nobody", timeout=0.2))
+    assert unlisted == [1] and await listed(bus, "req") is (version == "this")
+    if version == "older":
+        monkeypatch.setattr(sweeper_module, "RECHECK_AFTER", 0.0)  # the look a minute later
+        assert await bus.sweeper.recheck_unlisted() == 1 and await listed(bus, "req")
+    with anyio.fail_after(10):
+        while await bus.redis.zcard(bus.keys.deadlines("req")):  # the sweep expires it: it walks "req" again
+            await bus.sweeper.wait_pass()
+    assert (await handle.outcome()).status is HandoffStatus.EXPIRED
 
 
 async def test_requesters_removed_go_back_when_the_second_look_fails(
@@ -105,27 +155,6 @@ async def test_requesters_removed_go_back_when_the_second_look_fails(
     with pytest.raises(ConnectionError):
         await bus.sweeper.unlist_idle()
     assert looks == [2, 2] and await listed(bus, "a") and await listed(bus, "b")  # not known idle: back
-
-
-async def test_a_sweep_between_a_requests_listing_and_its_record_leaves_the_requester_listed(
-    bus: HandoffBus, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    await finished(bus, "req")
-    await age(bus, "req")
-    monkeypatch.setattr(Registered, "AGAIN", 0.0)  # the next request lists "req" (a minute went by)
-    real_scripts_many = bus.scripts_many
-    unlisted: list[int] = []
-
-    async def sweep_first(calls: Any) -> Any:  # the request's record call: the sweep runs just before it
-        if not unlisted and calls and calls[0][0] == "request":
-            unlisted.append(await bus.sweeper.unlist_idle())
-        return await real_scripts_many(calls)
-
-    monkeypatch.setattr(bus, "scripts_many", sweep_first)
-    await bus.client("req").request_handoff(req("req", "nobody", timeout=600))
-    # the sweep found "req" idle and unlisted it after the request listed it; the request listed it
-    # again once its record was written
-    assert unlisted == [1] and await listed(bus, "req")
 
 
 async def test_a_requester_given_work_by_a_process_that_lists_nothing_is_listed_back_a_minute_later(
@@ -166,72 +195,6 @@ async def test_a_request_a_full_queue_refused_does_not_spare_the_next_one_its_li
             while await bus.redis.zcard(bus.keys.deadlines("req")):  # the sweep expires it: it walks "req"
                 await bus.sweeper.wait_pass()
         assert (await handle.outcome()).status is HandoffStatus.EXPIRED
-
-
-@pytest.mark.parametrize("failure", ["lost", "slow"])
-async def test_requesters_removed_go_back_when_the_removal_itself_fails_or_runs_out_of_time(
-    bus: HandoffBus, monkeypatch: pytest.MonkeyPatch, failure: str,
-) -> None:
-    """The SREM was made but its caller never heard (its reply lost with the connection, or later
-    than the follow-up bound): a request that came between the idle check and the removal is
-    caught only by the second look, which is not skipped."""
-    await finished(bus, "req")
-    await age(bus, "req")
-    client = bus.client("req")  # it listed "req" a moment ago, so this request lists nothing
-    monkeypatch.setattr(sweeper_module, "FOLLOW_UP_WAIT", 0.5)
-    real_srem = bus.redis.srem
-    made: list[Any] = []
-
-    async def srem_then_request_then_fail(*args: Any) -> Any:
-        await real_srem(*args)
-        made.append(await client.request_handoff(req("req", "nobody", timeout=600)))
-        if failure == "lost":
-            raise ConnectionError("lost")
-        await anyio.sleep_forever()  # no reply before the bound
-
-    bus.redis.srem = srem_then_request_then_fail  # type: ignore[method-assign]
-    try:
-        if failure == "lost":
-            with pytest.raises(ConnectionError):
-                await bus.sweeper.unlist_idle()
-        else:
-            assert await bus.sweeper.unlist_idle() == 0
-    finally:
-        del bus.redis.srem
-    assert made and await listed(bus, "req")
-
-
-async def test_a_request_of_an_older_version_between_its_listing_and_its_record_is_listed_back(
-    bus: HandoffBus, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A process of an older version lists a requester before its record only, and then not again
-    for a minute. A sweep whose removal and second look both fall between that listing and the
-    record leaves the requester out only until its look a minute later."""
-    await finished(bus, "req")
-    await age(bus, "req")
-    monkeypatch.setattr(Registered, "AGAIN", 0.0)  # the next request lists "req" (a minute went by)
-
-    async def older_version(agent: str) -> None:  # no SADD after the record
-        return None
-
-    monkeypatch.setattr(bus, "relist_requester", older_version)
-    real_scripts_many = bus.scripts_many
-    unlisted: list[int] = []
-
-    async def sweep_first(calls: Any) -> Any:  # the request's record call: the sweep runs just before it
-        if not unlisted and calls and calls[0][0] == "request":
-            unlisted.append(await bus.sweeper.unlist_idle())
-        return await real_scripts_many(calls)
-
-    monkeypatch.setattr(bus, "scripts_many", sweep_first)
-    handle = await bus.client("req").request_handoff(req("req", "nobody", timeout=0.2))
-    assert unlisted == [1] and not await listed(bus, "req")
-    monkeypatch.setattr(sweeper_module, "RECHECK_AFTER", 0.0)  # the look a minute later
-    assert await bus.sweeper.recheck_unlisted() == 1 and await listed(bus, "req")
-    with anyio.fail_after(10):
-        while await bus.redis.zcard(bus.keys.deadlines("req")):  # the sweep expires it: it walks "req" again
-            await bus.sweeper.wait_pass()
-    assert (await handle.outcome()).status is HandoffStatus.EXPIRED
 
 
 async def test_the_sweep_unlists_idle_requesters_on_its_own(
