@@ -13,7 +13,7 @@ import msgspec
 from . import deadletters, errors, tracing
 from .backoff import LOST_CONNECTION, Backoff, lost_connection
 from .checks import check_text, normalize_request, rejection_fields, request_fingerprint
-from .errors import QUEUE_FULL, InvalidRequest, NotPermitted, raise_for_code
+from .errors import QUEUE_FULL, InvalidRequest, NotPermitted, QueueFull, raise_for_code
 from .handle import HandoffHandle
 from .models import (
     TERMINAL,
@@ -224,11 +224,14 @@ class HandoffClient:
             if status is not HandoffStatus.PENDING or late:
                 await self._refresh(waiter)
             return HandoffHandle(self, waiter)
-        except BaseException:
+        except BaseException as exc:
             reader.release(waiter)  # no handle came of this call (it failed, or was cancelled)
-            # it may have left nothing behind (refused, or withdrawn from a full queue): no trace
-            # keeps the sweep from unlisting this requester, so its next request lists it again
-            bus.forget_requester(self.agent_id)
+            if isinstance(exc, QueueFull):
+                # its record withdrawn, it left nothing behind that keeps the sweep from unlisting
+                # this requester: the next request lists it again at once (other refusals wait for
+                # the sweep's second look, Sweeper.recheck_unlisted; a failure of the connection
+                # must not send the next request to a node that may not answer)
+                bus.forget_requester(self.agent_id)
             raise
 
     async def _follow_again(self, record: str, follow: list[Call], followed: list[Any]) -> list[Any]:

@@ -68,6 +68,7 @@ SCRIPT_NAMES = (
     "observe",
     "blob",
     "idle",
+    "unlisted",
 )
 _INCLUDE = re.compile(r"^-- @include (\w+)$", re.MULTILINE)
 #: a script's function flags, e.g. "-- @flags no-writes" for one that only reads: a function

@@ -194,8 +194,7 @@ class Sweeper:
             if not found:
                 return
             # noted first: whatever happens next, each is looked at once more (recheck_unlisted)
-            now = await bus.server_time_ms()
-            await bus.redis.zadd(bus.keys.unlisted, dict.fromkeys(found, now))
+            await bus.script("unlisted", [bus.keys.unlisted], ["note", *found])
             # shielded (and bounded): once removed, the ones a request came to meanwhile must go back,
             # and all of them if the second look fails or runs out of time
             with anyio.move_on_after(FOLLOW_UP_WAIT, shield=True):
@@ -229,10 +228,10 @@ class Sweeper:
         the requester's deadline index (undecided, or expired and not yet settled), or it has
         ended and left nothing to sweep; one made after lists the requester itself."""
         bus = self._bus
-        due_ms = await bus.server_time_ms() - int(RECHECK_AFTER * 1000)
         back = 0
         while True:
-            raw = await bus.redis.zrangebyscore(bus.keys.unlisted, "-inf", due_ms, start=0, num=REQUESTERS_A_CALL)
+            raw = await bus.script("unlisted", [bus.keys.unlisted],
+                                   ["due", int(RECHECK_AFTER * 1000), REQUESTERS_A_CALL])
             if not raw:
                 return back
             names = stored_names(raw, bus.keys.unlisted)

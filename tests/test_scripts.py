@@ -54,7 +54,7 @@ def test_the_scripts_are_flagged_for_a_server_that_refuses_writes() -> None:
     or bookkeeping is refused."""
     assert {name for name in SCRIPT_NAMES if script_flags(name) == ["no-writes"]} == {"load", "blob", "observe", "idle"}
     assert {name for name in SCRIPT_NAMES if script_flags(name) == []} == {
-        "request", "enqueue", "route", "register", "count"}
+        "request", "enqueue", "route", "register", "count", "unlisted"}
     assert all(script_flags(name) in ([], ["no-writes"], ["allow-oom"]) for name in SCRIPT_NAMES)
 
 
