@@ -435,10 +435,11 @@ class HandoffBus:
         try:
             await self.redis.sadd(self.keys.requesters, agent)
         except (RedisError, RedisClusterException, OSError):
-            self._known_requesters.discard(agent)  # the next request lists it again
+            self.forget_requester(agent)
 
     def forget_requester(self, agent: str) -> None:
-        """A request of ``agent`` failed: its next request lists it again (see ``register_requester``)."""
+        """``agent``'s next request lists it again (see ``register_requester``): a request of
+        it failed, or its listing after one did."""
         self._known_requesters.discard(agent)
 
     async def register_target(self, agent: str) -> None:
